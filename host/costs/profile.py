@@ -1,0 +1,355 @@
+"""Platform profiles: the device constants that turn a TrainingGraph into seconds and joules.
+
+A profile is a JSON file (schema below). The shipped ones live in ``host/costs/profiles/``; a user
+profile (e.g. written by ``poet profile --local``) is any path ending in ``.json``.
+
+Schema (version 1), units in every key::
+
+    {
+      "schema_version": 1,
+      "name": "a72",
+      "description": "...",
+      "compute": {
+        "flops_per_s": {"default": 2.0e9, "matmul": ...},   # op_class -> FLOP/s, "default" required
+        "energy_per_flop_j": 2.49e-08,                       # optional: J per FLOP (else time x power)
+        "compute_power_w": 3.0
+      },
+      "page_in":  {"latency_s": ..., "throughput_bytes_per_s": ...},
+      "page_out": {"latency_s": ..., "throughput_bytes_per_s": ...},
+      "memory_power_w": 0.15,
+      "board_power_w": 3.0,
+      "bytes_per_element": 4,
+      "energy_source": "modelled:poet2022-constants",
+      "sources": {"compute.flops_per_s.default": "...", ...}   # optional: dotted field -> provenance
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+OP_CLASSES: tuple[str, ...] = ("input", "matmul", "conv", "norm", "elementwise", "pool", "loss", "other")
+DEFAULT_OP_CLASS = "default"
+
+_PROFILES_PACKAGE = "host.costs"
+_PROFILES_DIR = "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be loaded or saved; the message names the file, the field and the expected unit."""
+
+
+class UnknownPlatformError(ProfileError):
+    """A platform name that is neither a shipped profile nor a path to a .json file."""
+
+
+@dataclass(frozen=True)
+class PlatformProfile:
+    """Device constants (seconds, joules, watts, bytes). ``path`` is where it was loaded from, if anywhere."""
+
+    name: str
+    description: str
+    flops_per_s: dict[str, float]  # op_class -> FLOP/s; always has "default"
+    energy_per_flop_j: float | None  # None: compute energy = compute time x compute_power_w
+    compute_power_w: float
+    page_in_latency_s: float
+    page_in_throughput_bytes_per_s: float
+    page_out_latency_s: float
+    page_out_throughput_bytes_per_s: float
+    memory_power_w: float  # drawn while paging (in or out)
+    board_power_w: float  # whole board while training
+    bytes_per_element: int
+    energy_source: str  # "modelled:..." or "measured:..."
+    sources: dict[str, str] = field(default_factory=dict)  # dotted field path -> provenance
+    path: str | None = None
+
+    def flops_per_s_for(self, op_class: str) -> float:
+        """Throughput for ``op_class``, falling back to the "default" entry."""
+        return self.flops_per_s.get(op_class, self.flops_per_s[DEFAULT_OP_CLASS])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (see the module docstring); ``path`` is not part of it."""
+        compute: dict[str, Any] = {"flops_per_s": dict(self.flops_per_s)}
+        if self.energy_per_flop_j is not None:
+            compute["energy_per_flop_j"] = self.energy_per_flop_j
+        compute["compute_power_w"] = self.compute_power_w
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "compute": compute,
+            "page_in": {
+                "latency_s": self.page_in_latency_s,
+                "throughput_bytes_per_s": self.page_in_throughput_bytes_per_s,
+            },
+            "page_out": {
+                "latency_s": self.page_out_latency_s,
+                "throughput_bytes_per_s": self.page_out_throughput_bytes_per_s,
+            },
+            "memory_power_w": self.memory_power_w,
+            "board_power_w": self.board_power_w,
+            "bytes_per_element": self.bytes_per_element,
+            "energy_source": self.energy_source,
+            "sources": dict(self.sources),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, file_label: str = "<profile>", path: str | None = None) -> PlatformProfile:
+        """Validate ``data`` (parsed JSON); errors name ``file_label`` and the offending field."""
+        return _Validator(file_label).profile(data, path)
+
+
+# --------------------------------------------------------------------------- validation
+_TOP_KEYS = (
+    "schema_version",
+    "name",
+    "description",
+    "compute",
+    "page_in",
+    "page_out",
+    "memory_power_w",
+    "board_power_w",
+    "bytes_per_element",
+    "energy_source",
+    "sources",
+)
+_COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w")
+_PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
+_EXPECTED = {  # what a required field must hold, for error messages
+    "schema_version": f"the integer {SCHEMA_VERSION}",
+    "name": "a non-empty string",
+    "compute": "a JSON object with flops_per_s and compute_power_w",
+    "compute.flops_per_s": "a JSON object of op_class -> FLOP per second, with a 'default' entry",
+    "compute.flops_per_s.default": "a positive number in FLOP per second",
+    "compute.compute_power_w": "a positive number in watts",
+    "page_in": "a JSON object with latency_s and throughput_bytes_per_s",
+    "page_out": "a JSON object with latency_s and throughput_bytes_per_s",
+    "page_in.latency_s": "a non-negative number in seconds",
+    "page_out.latency_s": "a non-negative number in seconds",
+    "page_in.throughput_bytes_per_s": "a positive number in bytes per second",
+    "page_out.throughput_bytes_per_s": "a positive number in bytes per second",
+    "memory_power_w": "a non-negative number in watts",
+    "board_power_w": "a positive number in watts",
+    "bytes_per_element": "a positive integer in bytes",
+    "energy_source": "a string starting with 'modelled:' or 'measured:'",
+}
+
+
+def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CLASSES)) -> tuple[str, ...]:
+    """Every dotted field path a ``sources`` entry may describe."""
+    paths = ["name", "description", "energy_source", "memory_power_w", "board_power_w", "bytes_per_element"]
+    paths += ["compute.flops_per_s", "compute.energy_per_flop_j", "compute.compute_power_w"]
+    paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
+    paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
+    return tuple(paths)
+
+
+class _Validator:
+    def __init__(self, file_label: str):
+        self.file_label = file_label
+
+    def fail(self, message: str) -> ProfileError:
+        return ProfileError(f"{self.file_label}: {message}")
+
+    def _object(self, data: Any, where: str, allowed: tuple[str, ...], required: tuple[str, ...]) -> dict:
+        label = f"field {where!r}" if where else "the top level"
+        if not isinstance(data, dict):
+            raise self.fail(f"{label} must be a JSON object, got {type(data).__name__}")
+        unknown = [key for key in data if key not in allowed]
+        if unknown:
+            prefix = f"{where}." if where else ""
+            names = ", ".join(repr(prefix + str(key)) for key in unknown)
+            raise self.fail(f"unknown field(s) {names}; allowed in {label}: {', '.join(allowed)}")
+        for key in required:
+            if key not in data:
+                dotted = f"{where}.{key}" if where else key
+                raise self.fail(f"missing required field {dotted!r}: expected {_EXPECTED[dotted]}")
+        return data
+
+    def _number(self, value: Any, where: str, unit: str, *, positive: bool) -> float:
+        sign = "positive" if positive else "non-negative"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        try:
+            ok = ok and math.isfinite(value)
+        except OverflowError:  # an integer beyond float range
+            ok = False
+        if not ok or (value <= 0 if positive else value < 0):
+            raise self.fail(f"field {where!r} must be a {sign} number in {unit}, got {value!r}")
+        return float(value)
+
+    def _string(self, value: Any, where: str, *, nonempty: bool = False) -> str:
+        if not isinstance(value, str) or (nonempty and not value.strip()):
+            kind = "a non-empty string" if nonempty else "a string"
+            raise self.fail(f"field {where!r} must be {kind}, got {value!r}")
+        return value
+
+    def _page(self, data: Any, block: str) -> tuple[float, float]:
+        data = self._object(data, block, _PAGE_KEYS, _PAGE_KEYS)
+        latency_s = self._number(data["latency_s"], f"{block}.latency_s", "seconds", positive=False)
+        throughput = self._number(
+            data["throughput_bytes_per_s"], f"{block}.throughput_bytes_per_s", "bytes per second", positive=True
+        )
+        return latency_s, throughput
+
+    def profile(self, data: Any, path: str | None) -> PlatformProfile:
+        required = tuple(k for k in _TOP_KEYS if k not in ("description", "sources"))
+        data = self._object(data, "", _TOP_KEYS, required)
+        version = data["schema_version"]
+        if not isinstance(version, int) or isinstance(version, bool) or version != SCHEMA_VERSION:
+            raise self.fail(f"field 'schema_version' must be the integer {SCHEMA_VERSION}, got {version!r}")
+        name = self._string(data["name"], "name", nonempty=True)
+        description = self._string(data.get("description", ""), "description")
+
+        compute = self._object(data["compute"], "compute", _COMPUTE_KEYS, ("flops_per_s", "compute_power_w"))
+        rates = self._object(
+            compute["flops_per_s"], "compute.flops_per_s", (DEFAULT_OP_CLASS, *OP_CLASSES), (DEFAULT_OP_CLASS,)
+        )
+        flops_per_s = {
+            op_class: self._number(rate, f"compute.flops_per_s.{op_class}", "FLOP per second", positive=True)
+            for op_class, rate in rates.items()
+        }
+        energy_per_flop_j = compute.get("energy_per_flop_j")
+        if energy_per_flop_j is not None:
+            energy_per_flop_j = self._number(
+                energy_per_flop_j, "compute.energy_per_flop_j", "joules per FLOP (or null)", positive=True
+            )
+        compute_power_w = self._number(compute["compute_power_w"], "compute.compute_power_w", "watts", positive=True)
+
+        page_in_latency_s, page_in_throughput = self._page(data["page_in"], "page_in")
+        page_out_latency_s, page_out_throughput = self._page(data["page_out"], "page_out")
+        memory_power_w = self._number(data["memory_power_w"], "memory_power_w", "watts", positive=False)
+        board_power_w = self._number(data["board_power_w"], "board_power_w", "watts", positive=True)
+
+        bytes_per_element = data["bytes_per_element"]
+        if not isinstance(bytes_per_element, int) or isinstance(bytes_per_element, bool) or bytes_per_element <= 0:
+            raise self.fail(f"field 'bytes_per_element' must be a positive integer in bytes, got {bytes_per_element!r}")
+        energy_source = self._string(data["energy_source"], "energy_source", nonempty=True)
+        if not energy_source.startswith(("modelled:", "measured:")):
+            raise self.fail(f"field 'energy_source' must start with 'modelled:' or 'measured:', got {energy_source!r}")
+
+        sources_raw = data.get("sources", {})
+        if not isinstance(sources_raw, dict):
+            raise self.fail(f"field 'sources' must be a JSON object of dotted field -> text, got {sources_raw!r}")
+        known = known_field_paths()
+        sources: dict[str, str] = {}
+        for key, text in sources_raw.items():
+            if key not in known:
+                raise self.fail(f"field 'sources' has an entry for unknown field {key!r}; known: {', '.join(known)}")
+            sources[key] = self._string(text, f"sources.{key}")
+
+        return PlatformProfile(
+            name=name,
+            description=description,
+            flops_per_s=flops_per_s,
+            energy_per_flop_j=energy_per_flop_j,
+            compute_power_w=compute_power_w,
+            page_in_latency_s=page_in_latency_s,
+            page_in_throughput_bytes_per_s=page_in_throughput,
+            page_out_latency_s=page_out_latency_s,
+            page_out_throughput_bytes_per_s=page_out_throughput,
+            memory_power_w=memory_power_w,
+            board_power_w=board_power_w,
+            bytes_per_element=bytes_per_element,
+            energy_source=energy_source,
+            sources=sources,
+            path=path,
+        )
+
+
+# --------------------------------------------------------------------------- loading and saving
+def _shipped_dir():
+    return resources.files(_PROFILES_PACKAGE).joinpath(_PROFILES_DIR)
+
+
+def list_platforms() -> list[str]:
+    """Names of the shipped profiles, sorted."""
+    return sorted(entry.name[: -len(".json")] for entry in _shipped_dir().iterdir() if entry.name.endswith(".json"))
+
+
+def _parse(text: str, file_label: str, path: str | None) -> PlatformProfile:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ProfileError(
+            f"{file_label}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
+    return PlatformProfile.from_dict(data, file_label=file_label, path=path)
+
+
+def _looks_like_path(name_or_path: str) -> bool:
+    return name_or_path.endswith(".json") or os.sep in name_or_path or (os.altsep or os.sep) in name_or_path
+
+
+def load_profile(name_or_path: str) -> PlatformProfile:
+    """Load a shipped profile by name (see :func:`list_platforms`) or a profile file by path (``*.json``)."""
+    name_or_path = os.fspath(name_or_path)
+    if not _looks_like_path(name_or_path):
+        platforms = list_platforms()
+        if name_or_path not in platforms:
+            raise UnknownPlatformError(
+                f"unknown platform {name_or_path!r}; valid names: {', '.join(platforms)} "
+                "(or give a path to a profile .json file)"
+            )
+        resource = _shipped_dir().joinpath(f"{name_or_path}.json")
+        profile = _parse(resource.read_text(encoding="utf-8"), f"{name_or_path}.json", str(resource))
+        if profile.name != name_or_path:
+            raise ProfileError(f"{name_or_path}.json: field 'name' must be {name_or_path!r}, got {profile.name!r}")
+        return profile
+    path = Path(name_or_path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(
+            f"{name_or_path}: profile file not found (shipped platforms: {', '.join(list_platforms())})"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ProfileError(f"{name_or_path}: cannot read profile file: {error}") from None
+    return _parse(text, name_or_path, str(path))
+
+
+def save_profile(profile: PlatformProfile, path: str | os.PathLike) -> None:
+    """Validate and write ``profile`` as JSON atomically (temporary file, fsync, rename)."""
+    target = Path(path)
+    data = profile.to_dict()
+    PlatformProfile.from_dict(data, file_label=str(target))  # never write a file that would not load
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise ProfileError(f"{target}: directory {str(directory)!r} does not exist; create it first")
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    try:  # keep an existing file's permissions; a new file gets rw-r--r-- (mkstemp would give rw-------)
+        mode = target.stat().st_mode & 0o777
+    except OSError:
+        mode = 0o644
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename durable; not every platform can open a directory
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)

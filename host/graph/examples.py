@@ -1,0 +1,42 @@
+"""Example model factories for ``--model module:callable``, used by the tests and the docs.
+
+Try ``poet solve --model host.graph.examples:small_cnn --input-shape 4,3,16,16`` (a bare module) or
+``poet solve --model host.graph.examples:bundle_with_custom_loss`` (a complete bundle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from host.graph.zoo import ModelBundle
+
+
+def small_cnn() -> nn.Module:
+    """A bare module (so ``--input-shape`` is required): 3-channel images of any size -> 10 classes.
+
+    Two conv layers with BatchNorm, a max-pool and global average pooling; e.g. input 4,3,16,16.
+    """
+    return nn.Sequential(
+        nn.Conv2d(3, 8, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+def bundle_with_custom_loss() -> ModelBundle:
+    """A complete bundle with its own batch and loss: regression of 16 features to 1 value with MSE.
+
+    Inputs and targets come from the global torch RNG, which ``load_factory_bundle`` seeds.
+    """
+    module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    inputs = torch.randn(8, 16)
+    targets = torch.randn(8, 1)
+    return ModelBundle(name="regression_mlp", module=module, inputs=(inputs,), labels=targets, loss_fn=F.mse_loss)

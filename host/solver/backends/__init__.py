@@ -1,0 +1,56 @@
+"""Solver backends: one file each, registered here by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from host.solver.milp import MilpProblem, MilpResult, ProgressCallback
+
+Backend = Callable[..., MilpResult]
+
+
+class UnknownSolverError(ValueError):
+    """A --solver name that is not registered."""
+
+
+def _highs(*args, **kwargs) -> MilpResult:
+    from host.solver.backends.highs import solve_highs
+
+    return solve_highs(*args, **kwargs)
+
+
+def _cbc(*args, **kwargs) -> MilpResult:
+    from host.solver.backends.pulp_backend import solve_cbc
+
+    return solve_cbc(*args, **kwargs)
+
+
+def _gurobi(*args, **kwargs) -> MilpResult:
+    from host.solver.backends.pulp_backend import solve_gurobi
+
+    return solve_gurobi(*args, **kwargs)
+
+
+BACKENDS: dict[str, Backend] = {"highs": _highs, "cbc": _cbc, "gurobi": _gurobi}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise UnknownSolverError(f"unknown solver {name!r}; choose one of: {', '.join(BACKENDS)}") from None
+
+
+def solve_milp(
+    problem: MilpProblem,
+    solver: str = "highs",
+    *,
+    time_limit_s: float | None = None,
+    mip_gap: float = 1e-3,
+    threads: int | None = None,
+    start: object | None = None,
+    progress: ProgressCallback | None = None,
+) -> MilpResult:
+    return get_backend(solver)(
+        problem, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads, start=start, progress=progress
+    )

@@ -1,0 +1,105 @@
+"""HiGHS through highspy: the default backend (in-process, warm start, live progress)."""
+
+from __future__ import annotations
+
+import time
+
+import highspy
+import numpy as np
+
+from host.solver.milp import MilpProblem, MilpResult, ProgressCallback, SolverProgress
+
+_PROGRESS_PERIOD_S = 0.5
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if np.isfinite(value) and abs(value) < 1e29 else None
+
+
+def solve_highs(
+    problem: MilpProblem,
+    *,
+    time_limit_s: float | None = None,
+    mip_gap: float = 1e-3,
+    threads: int | None = None,
+    start: np.ndarray | None = None,
+    progress: ProgressCallback | None = None,
+) -> MilpResult:
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("mip_rel_gap", float(mip_gap))
+    if time_limit_s is not None:
+        highs.setOptionValue("time_limit", float(time_limit_s))
+    if threads is not None:
+        highs.setOptionValue("threads", int(threads))
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = problem.num_cols
+    lp.num_row_ = problem.num_rows
+    lp.col_cost_ = np.asarray(problem.col_cost, dtype=np.float64)
+    lp.col_lower_ = np.asarray(problem.col_lb, dtype=np.float64)
+    lp.col_upper_ = np.asarray(problem.col_ub, dtype=np.float64)
+    lp.row_lower_ = np.asarray(problem.row_lb, dtype=np.float64)
+    lp.row_upper_ = np.asarray(problem.row_ub, dtype=np.float64)
+    lp.offset_ = problem.objective_offset
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.asarray(problem.row_start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(problem.row_index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(problem.row_value, dtype=np.float64)
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
+        for integer in problem.col_integer
+    ]
+    highs.passModel(lp)
+
+    if start is not None:
+        solution = highspy.HighsSolution()
+        solution.col_value = list(np.asarray(start, dtype=np.float64))
+        solution.value_valid = True
+        highs.setSolution(solution)
+
+    started = time.perf_counter()
+    if progress is not None:
+        last_report = [0.0]
+
+        def report(event) -> None:
+            now = time.perf_counter() - started
+            if now - last_report[0] < _PROGRESS_PERIOD_S:
+                return
+            last_report[0] = now
+            data = event.data_out
+            progress(
+                SolverProgress(
+                    elapsed_s=now,
+                    incumbent_j=_finite(data.mip_primal_bound),
+                    bound_j=_finite(data.mip_dual_bound),
+                    gap=_finite(data.mip_gap),
+                )
+            )
+
+        highs.cbMipInterrupt.subscribe(report)
+        highs.cbMipImprovingSolution.subscribe(report)
+    highs.run()
+    solve_s = time.perf_counter() - started
+
+    status = highs.getModelStatus()
+    info = highs.getInfo()
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    x = np.asarray(highs.getSolution().col_value) if has_solution else None
+    objective = float(info.objective_function_value) if has_solution else None
+    bound = _finite(info.mip_dual_bound)
+    gap = _finite(info.mip_gap) if has_solution else None
+    if status == highspy.HighsModelStatus.kOptimal:
+        return MilpResult("optimal", x, objective, bound, gap if gap is not None else 0.0, solve_s)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return MilpResult("infeasible", None, None, bound, None, solve_s, "the model is infeasible")
+    if status in (
+        highspy.HighsModelStatus.kTimeLimit,
+        highspy.HighsModelStatus.kInterrupt,
+        highspy.HighsModelStatus.kSolutionLimit,
+        highspy.HighsModelStatus.kIterationLimit,
+    ):
+        if has_solution:
+            return MilpResult("feasible", x, objective, bound, gap, solve_s, "time limit reached")
+        return MilpResult("timeout", None, None, bound, None, solve_s, "time limit reached with no solution")
+    return MilpResult("error", x, objective, bound, gap, solve_s, f"HiGHS ended with {highs.modelStatusToString(status)}")

@@ -1,0 +1,91 @@
+"""CBC and Gurobi through PuLP. CBC ships with PuLP; Gurobi is used when gurobipy and a licence exist."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pulp
+
+from host.solver.milp import MilpProblem, MilpResult, ProgressCallback, SolverProgress
+
+
+class SolverUnavailableError(RuntimeError):
+    """The requested backend is not installed or not licensed on this machine."""
+
+
+def _to_pulp(problem: MilpProblem) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+    model = pulp.LpProblem(problem.name.replace(" ", "_"), pulp.LpMinimize)
+    columns = []
+    for col in range(problem.num_cols):
+        lb = problem.col_lb[col] if np.isfinite(problem.col_lb[col]) else None
+        ub = problem.col_ub[col] if np.isfinite(problem.col_ub[col]) else None
+        category = pulp.LpInteger if problem.col_integer[col] else pulp.LpContinuous
+        columns.append(pulp.LpVariable(f"x{col}", lb, ub, category))
+    model += pulp.LpAffineExpression(
+        [(columns[c], v) for c, v in enumerate(problem.col_cost) if v != 0.0], constant=problem.objective_offset
+    )
+    for row in range(problem.num_rows):
+        lo, hi = problem.row_start[row], problem.row_start[row + 1]
+        expression = pulp.LpAffineExpression(
+            [(columns[problem.row_index[k]], problem.row_value[k]) for k in range(lo, hi)]
+        )
+        lb, ub = problem.row_lb[row], problem.row_ub[row]
+        if np.isfinite(lb) and np.isfinite(ub) and lb == ub:
+            model += expression == lb
+        else:
+            if np.isfinite(lb):
+                model += expression >= lb
+            if np.isfinite(ub):
+                model += expression <= ub
+    return model, columns
+
+
+def _solve(
+    problem: MilpProblem,
+    solver: pulp.LpSolver,
+    start: np.ndarray | None,
+    progress: ProgressCallback | None,
+    columns_model: tuple[pulp.LpProblem, list[pulp.LpVariable]],
+) -> MilpResult:
+    model, columns = columns_model
+    if start is not None:
+        for variable, value in zip(columns, start):
+            variable.setInitialValue(round(value) if variable.cat == pulp.LpInteger else value)
+    started = time.perf_counter()
+    model.solve(solver)
+    solve_s = time.perf_counter() - started
+    status = model.status
+    solution_status = getattr(model, "sol_status", None)
+    values = [v.value() for v in columns]
+    has_solution = all(v is not None for v in values) and status != pulp.LpStatusInfeasible
+    x = np.asarray(values, dtype=float) if has_solution else None
+    objective = problem.objective(x) if x is not None else None
+    if progress is not None:
+        progress(SolverProgress(solve_s, objective, None, None))
+    if status == pulp.LpStatusOptimal and solution_status in (None, pulp.LpSolutionOptimal):
+        return MilpResult("optimal", x, objective, objective, 0.0, solve_s)
+    if status == pulp.LpStatusInfeasible:
+        return MilpResult("infeasible", None, None, None, None, solve_s, "the model is infeasible")
+    if x is not None and problem.max_violation(x) <= 1e-6:
+        return MilpResult("feasible", x, objective, None, None, solve_s, "stopped before proving optimality")
+    return MilpResult("timeout", None, None, None, None, solve_s, "no solution within the time limit")
+
+
+def solve_cbc(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
+    solver = pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads, warmStart=start is not None
+    )
+    return _solve(problem, solver, start, progress, _to_pulp(problem))
+
+
+def solve_gurobi(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
+    if "GUROBI" not in pulp.listSolvers(onlyAvailable=True):
+        raise SolverUnavailableError(
+            "Gurobi is not available on this machine: install gurobipy with a valid licence, "
+            "or use --solver highs (the default) or --solver cbc"
+        )
+    options = {"timeLimit": time_limit_s, "gapRel": mip_gap, "warmStart": start is not None}
+    if threads is not None:
+        options["Threads"] = threads
+    return _solve(problem, pulp.GUROBI(msg=False, **options), start, progress, _to_pulp(problem))

@@ -1,0 +1,278 @@
+"""poet-edge's POET MILP: the paper's stage model with variables only where they can be nonzero.
+
+Same decisions and the same memory model as the paper (Patil et al., 2022, eqs. 1-9): stage t
+computes node t plus recomputations; checkpoints live in RAM (S_RAM) or on flash (S_SD);
+M_in/M_out page between them; U[t, k] is RAM after computing node k in stage t. Differences:
+
+- A variable exists only if it can be useful. Node i is useful at stage t when it is an ancestor
+  of (or is) a node m <= t with m == t or m still needed after stage t (the stage's frontier).
+  Nothing outside that cone can feed the stage's target or anything carried to a later stage.
+- U[t, ·] is tracked only at positions where stage t may allocate; elsewhere it cannot rise.
+- The free indicator of edge (i, k) gets disaggregated upper bounds (tighter LP relaxation)
+  instead of the big-M pair; freeing only lowers memory, so the solver sets it whenever allowed.
+- Symmetry cuts: never recompute what is already in RAM, never page in what is not kept,
+  never page out what is already on flash.
+- A node may be paged out in the stage that computes it (the paper waits one stage): a superset
+  of the paper's schedules, so the optimum is never worse on the same graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from host.costs.priced_graph import PricedGraph
+from host.graph.training_graph import TrainingGraph
+from host.solver.milp import MilpProblem
+from host.solver.stage_plan import StagePlan
+
+
+@dataclass
+class FormulationOptions:
+    ram_budget_bytes: float
+    runtime_budget_s: float | None
+    paging: bool = True
+    remat: bool = True
+    paging_in_runtime: bool = False
+
+
+def useful_mask(graph: TrainingGraph) -> np.ndarray:
+    """useful[t, i]: node i can contribute to stage t's target or to a tensor live after stage t."""
+    size = graph.size
+    last_use = graph.last_use
+    useful = np.zeros((size, size), dtype=bool)
+    for stage in range(size):
+        frontier = [stage] + [m for m in range(stage) if last_use[m] > stage]
+        seen = useful[stage]
+        stack = list(frontier)
+        for m in frontier:
+            seen[m] = True
+        while stack:
+            node = stack.pop()
+            for dep in graph.nodes[node].deps:
+                if not seen[dep]:
+                    seen[dep] = True
+                    stack.append(dep)
+    return useful
+
+
+@dataclass
+class PoetVariables:
+    """Column indices of each decision family, keyed (stage, node); absent keys are fixed to 0."""
+
+    recompute: dict[tuple[int, int], int] = field(default_factory=dict)
+    keep_ram: dict[tuple[int, int], int] = field(default_factory=dict)
+    keep_flash: dict[tuple[int, int], int] = field(default_factory=dict)
+    page_in: dict[tuple[int, int], int] = field(default_factory=dict)
+    page_out: dict[tuple[int, int], int] = field(default_factory=dict)
+    free: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (stage, producer, consumer)
+    ram: dict[tuple[int, int], int] = field(default_factory=dict)  # U[stage, position]
+
+
+class PoetFormulation:
+    """Builds the MILP for one priced graph and options; converts solutions and plans both ways."""
+
+    name = "poet-edge"
+
+    def __init__(self, priced: PricedGraph, options: FormulationOptions):
+        self.priced = priced
+        self.graph = priced.graph
+        self.options = options
+        self.problem = MilpProblem("poet")
+        self.vars = PoetVariables()
+        self._build()
+
+    # ------------------------------------------------------------------ building
+    def _build(self) -> None:
+        graph, opts, problem, v = self.graph, self.options, self.problem, self.vars
+        size = graph.size
+        priced = self.priced
+        useful = useful_mask(graph)
+        last_useful = [max((t for t in range(size) if useful[t, i]), default=i) for i in range(size)]
+        out_bytes = [n.output_bytes for n in graph.nodes]
+        page_time = opts.paging_in_runtime
+
+        # Costs of the always-computed diagonal are a constant.
+        problem.objective_offset = float(priced.compute_j.sum())
+        for t in range(size):
+            for i in range(t):
+                if not useful[t, i]:
+                    continue
+                if opts.remat:
+                    v.recompute[t, i] = problem.add_var(cost=priced.compute_j[i])
+                v.keep_ram[t, i] = problem.add_var()
+            if opts.paging:
+                for i in range(t):
+                    if t <= last_useful[i]:
+                        v.keep_flash[t, i] = problem.add_var()
+        for t in range(size):
+            if opts.paging:
+                for i in range(t):
+                    if (t, i) in v.keep_flash and t + 1 < size and (t + 1, i) in v.keep_ram:
+                        v.page_in[t, i] = problem.add_var(cost=priced.page_in_j[i])
+                for i in range(t + 1):
+                    in_ram_possible = i == t or (t, i) in v.keep_ram or (t, i) in v.recompute
+                    if in_ram_possible and t + 1 < size and (t + 1, i) in v.keep_flash:
+                        v.page_out[t, i] = problem.add_var(cost=priced.page_out_j[i])
+
+        def r(t: int, i: int) -> tuple[list[tuple[int, float]], float]:
+            """R[t, i] as (terms, constant)."""
+            if i == t:
+                return [], 1.0
+            col = v.recompute.get((t, i))
+            return ([(col, 1.0)], 0.0) if col is not None else ([], 0.0)
+
+        def col_terms(family: dict, key, coef: float = 1.0) -> list[tuple[int, float]]:
+            col = family.get(key)
+            return [(col, coef)] if col is not None else []
+
+        # (1) a computation needs its inputs in RAM: R[t,k] <= R[t,i] + S_RAM[t,i]
+        for t in range(size):
+            for k in range(t + 1):
+                rk_terms, rk_const = r(t, k)
+                if not rk_terms and rk_const == 0.0:
+                    continue
+                for i in graph.nodes[k].deps:
+                    ri_terms, ri_const = r(t, i)
+                    terms = rk_terms + [(c, -a) for c, a in ri_terms] + col_terms(v.keep_ram, (t, i), -1.0)
+                    problem.add_row(terms, ub=ri_const - rk_const)
+        # (2) a checkpoint in RAM was there, computed, or paged in during the previous stage
+        for (t, i), col in v.keep_ram.items():
+            if t == 0 or i == t - 1:
+                continue  # S_RAM[t, t-1] <= R[t-1, t-1] = 1 holds trivially
+            prev_terms, prev_const = r(t - 1, i)
+            terms = [(col, 1.0)] + [(c, -a) for c, a in prev_terms]
+            terms += col_terms(v.keep_ram, (t - 1, i), -1.0) + col_terms(v.page_in, (t - 1, i), -1.0)
+            problem.add_row(terms, ub=prev_const)
+        # (3) a flash copy was there or was paged out during the previous stage
+        for (t, i), col in v.keep_flash.items():
+            terms = [(col, 1.0)] + col_terms(v.keep_flash, (t - 1, i), -1.0) + col_terms(v.page_out, (t - 1, i), -1.0)
+            problem.add_row(terms, ub=0.0)
+        # (4) paging reads an existing copy; symmetry cuts
+        for (t, i), col in v.page_in.items():
+            problem.add_row([(col, 1.0), (v.keep_flash[t, i], -1.0)], ub=0.0)
+            problem.add_row([(col, 1.0), (v.keep_ram[t + 1, i], -1.0)], ub=0.0)
+        for (t, i), col in v.page_out.items():
+            rt, rc = r(t, i)
+            terms = [(col, 1.0)] + [(c, -a) for c, a in rt] + col_terms(v.keep_ram, (t, i), -1.0)
+            problem.add_row(terms, ub=rc)
+            if (t, i) in v.keep_flash:
+                problem.add_row([(col, 1.0), (v.keep_flash[t, i], 1.0)], ub=1.0)
+        for (t, i), col in v.recompute.items():
+            if (t, i) in v.keep_ram:
+                problem.add_row([(col, 1.0), (v.keep_ram[t, i], 1.0)], ub=1.0)
+
+        # (5) memory: U[t, k] after computing k in stage t, freeing inputs at their last use in the stage
+        budget = opts.ram_budget_bytes
+        successors = graph.successors
+        for t in range(size):
+            positions = [k for k in range(t + 1) if k == t or (t, k) in v.recompute]
+            base_terms = [(v.keep_ram[t, i], float(out_bytes[i])) for i in range(t) if (t, i) in v.keep_ram]
+            previous: int | None = None
+            freed_after_previous: list[tuple[int, float]] = []
+            for k in positions:
+                # U[t,k] = U[t,prev] - (inputs of prev freed after it ran) + R[t,k]·bytes(k)
+                u = problem.add_var(lb=0.0, ub=budget, integer=False)
+                v.ram[t, k] = u
+                rk_terms, rk_const = r(t, k)
+                terms = [(u, 1.0)] + [(c, -a * out_bytes[k]) for c, a in rk_terms]
+                if previous is None:
+                    terms += [(c, -a) for c, a in base_terms]
+                else:
+                    terms.append((previous, -1.0))
+                    terms += freed_after_previous
+                problem.add_row(terms, lb=rk_const * out_bytes[k], ub=rk_const * out_bytes[k])
+                freed_after_previous = []
+                for i in graph.nodes[k].deps:
+                    free_col = self._free_var(t, i, k, successors[i])
+                    if free_col is not None:
+                        freed_after_previous.append((free_col, float(out_bytes[i])))
+                previous = u
+
+        # (6) runtime budget (the paper counts compute only; optionally paging too)
+        if opts.runtime_budget_s is not None:
+            terms = [(col, priced.compute_s[i]) for (t, i), col in v.recompute.items()]
+            if page_time:
+                terms += [(col, priced.page_in_s[i]) for (t, i), col in v.page_in.items()]
+                terms += [(col, priced.page_out_s[i]) for (t, i), col in v.page_out.items()]
+            problem.add_row(terms, ub=opts.runtime_budget_s - priced.base_runtime_s)
+
+    def _free_var(self, t: int, i: int, k: int, successors_of_i: Iterable[int]) -> int | None:
+        """Free[t, i, k] = 1 lets node i's bytes go after computing k; upper bounds make it exact."""
+        later_users = [j for j in successors_of_i if k < j <= t]
+        if t in later_users:
+            return None  # the stage's own target still needs i
+        v, problem = self.vars, self.problem
+        rk = v.recompute.get((t, k)) if k != t else None
+        if k != t and rk is None:
+            return None
+        col = problem.add_var()
+        v.free[t, i, k] = col
+        if rk is not None:
+            problem.add_row([(col, 1.0), (rk, -1.0)], ub=0.0)
+        keep_next = v.keep_ram.get((t + 1, i))
+        if keep_next is not None:
+            problem.add_row([(col, 1.0), (keep_next, 1.0)], ub=1.0)
+        for j in later_users:
+            rj = v.recompute.get((t, j))
+            if rj is not None:
+                problem.add_row([(col, 1.0), (rj, 1.0)], ub=1.0)
+        return col
+
+    # ------------------------------------------------------------------ conversions
+    def plan_from_solution(self, x: np.ndarray) -> StagePlan:
+        plan = StagePlan.empty(self.graph.size)
+        for family, matrix in (
+            (self.vars.recompute, plan.recompute),
+            (self.vars.keep_ram, plan.keep_ram),
+            (self.vars.keep_flash, plan.keep_flash),
+            (self.vars.page_in, plan.page_in),
+            (self.vars.page_out, plan.page_out),
+        ):
+            for (t, i), col in family.items():
+                matrix[t, i] = x[col] > 0.5
+        return plan
+
+    def start_from_plan(self, plan: StagePlan) -> np.ndarray | None:
+        """A full column vector for ``plan``, or None if the plan uses a variable this model lacks."""
+        v, graph = self.vars, self.graph
+        x = np.zeros(self.problem.num_cols)
+        for family, matrix in (
+            (v.recompute, plan.recompute),
+            (v.keep_ram, plan.keep_ram),
+            (v.keep_flash, plan.keep_flash),
+            (v.page_in, plan.page_in),
+            (v.page_out, plan.page_out),
+        ):
+            off_diagonal = matrix.copy()
+            if family is v.recompute:
+                np.fill_diagonal(off_diagonal, False)
+            for t, i in zip(*np.nonzero(off_diagonal)):
+                col = family.get((int(t), int(i)))
+                if col is None:
+                    return None
+                x[col] = 1.0
+        size = graph.size
+        out_bytes = [n.output_bytes for n in graph.nodes]
+        for t in range(size):
+            running = float(sum(out_bytes[i] for i in range(t) if plan.keep_ram[t, i]))
+            for k in range(t + 1):
+                if (t, k) not in v.ram:
+                    continue
+                if plan.recompute[t, k]:
+                    running += out_bytes[k]
+                x[v.ram[t, k]] = running
+                for i in graph.nodes[k].deps:
+                    col = v.free.get((t, i, k))
+                    if col is None or not plan.recompute[t, k]:
+                        continue
+                    kept = t + 1 < size and plan.keep_ram[t + 1, i]
+                    used_later = any(plan.recompute[t, j] for j in graph.successors[i] if k < j <= t)
+                    if not kept and not used_later:
+                        x[col] = 1.0
+                        running -= out_bytes[i]
+        if self.problem.max_violation(x) > 1e-6 * max(1.0, self.options.ram_budget_bytes):
+            return None
+        return x

@@ -1,0 +1,226 @@
+"""From a priced graph and budgets to a validated Schedule, with an honest status."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from device_agent.schedule import Prediction, Schedule, SolveInfo
+from host.costs.priced_graph import PricedGraph
+from host.solver.backends import solve_milp
+from host.solver.baselines import BaselineDoesNotFitError, checkpoint_sqrt_n_plan, keep_all_plan, paging_plan
+from host.solver.milp import ProgressCallback
+from host.solver.poet2022_milp import Poet2022Formulation
+from host.solver.poet_milp import FormulationOptions, PoetFormulation
+from host.solver.stage_plan import StagePlan, lower_plan, make_schedule
+from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
+
+FORMULATIONS = {"poet-edge": PoetFormulation, "poet2022": Poet2022Formulation}
+
+
+class BudgetError(ValueError):
+    """A budget that no schedule can meet, or that is malformed."""
+
+
+@dataclass
+class SolveOptions:
+    ram_budget_bytes: float
+    runtime_factor: float = 1.0
+    solver: str = "highs"
+    time_limit_s: float | None = None
+    paging: bool = True
+    remat: bool = True
+    paging_in_runtime: bool = False
+    mip_gap: float = 1e-3
+    threads: int | None = None
+    formulation: str = "poet-edge"
+    warm_start: bool = True
+    shortcut_non_binding: bool = True
+
+
+@dataclass
+class SolveResult:
+    status: str  # optimal | feasible | infeasible | timeout
+    schedule: Schedule | None
+    report: ValidationReport | None
+    objective_j: float | None
+    gap: float | None
+    solve_s: float
+    runtime_budget_s: float
+    minimum_ram_bytes: int
+    message: str = ""
+    model_columns: int = 0
+    model_rows: int = 0
+
+
+def minimum_ram_bytes(priced: PricedGraph) -> int:
+    """No schedule can go below this: computing a node holds its inputs and its output at once."""
+    graph = priced.graph
+    return max(n.output_bytes + sum(graph.nodes[d].output_bytes for d in n.deps) for n in graph.nodes)
+
+
+def no_remat_peak_bytes(priced: PricedGraph) -> int:
+    """Peak controlled RAM of plain training (everything computed once and kept until last use)."""
+    return evaluate_plan(keep_all_plan(priced.graph), priced).peak_ram_bytes
+
+
+def evaluate_plan(plan: StagePlan, priced: PricedGraph, **budgets) -> ValidationReport:
+    schedule = make_schedule(priced.graph, lower_plan(plan, priced.graph))
+    return validate_schedule(schedule, priced, **budgets)
+
+
+def check_budgets(priced: PricedGraph, ram_budget_bytes: float, runtime_factor: float) -> None:
+    if runtime_factor < 1.0:
+        raise BudgetError(
+            f"runtime budget factor {runtime_factor} is below 1.0: no schedule is faster than computing every "
+            "node once; use a factor >= 1.0 (e.g. 1.2 allows 20% recomputation)"
+        )
+    if ram_budget_bytes <= 0:
+        raise BudgetError(f"RAM budget must be a positive number of bytes, got {ram_budget_bytes}")
+
+
+def _finish(
+    priced: PricedGraph,
+    plan: StagePlan,
+    options: SolveOptions,
+    runtime_budget_s: float,
+    status: str,
+    solver_name: str,
+    formulation: str,
+    gap: float | None,
+    solve_s: float,
+) -> tuple[Schedule, ValidationReport]:
+    graph = priced.graph
+    schedule = make_schedule(
+        graph,
+        lower_plan(plan, graph),
+        platform=priced.platform,
+        ram_budget_bytes=float(options.ram_budget_bytes),
+        runtime_budget_s=runtime_budget_s,
+        paging_in_runtime=options.paging_in_runtime,
+    )
+    report = validate_schedule(schedule, priced)
+    schedule.prediction = Prediction(
+        peak_ram_bytes=report.peak_ram_bytes,
+        energy_j=report.energy_j,
+        compute_j=report.compute_j,
+        paging_j=report.paging_j,
+        runtime_s=report.runtime_s,
+        paging_s=report.paging_s,
+        recomputes=report.recomputes,
+        page_ins=report.page_ins,
+        page_outs=report.page_outs,
+    )
+    schedule.solve = SolveInfo(
+        status=status, solver=solver_name, formulation=formulation, gap=gap or 0.0, solve_s=solve_s
+    )
+    return schedule, report
+
+
+def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: ProgressCallback | None = None) -> SolveResult:
+    """Solve the energy-optimal schedule; every returned schedule has passed the validator."""
+    check_budgets(priced, options.ram_budget_bytes, options.runtime_factor)
+    started = time.perf_counter()
+    runtime_budget_s = options.runtime_factor * priced.base_runtime_s
+    floor_bytes = minimum_ram_bytes(priced)
+    common = dict(runtime_budget_s=runtime_budget_s, minimum_ram_bytes=floor_bytes)
+    if options.ram_budget_bytes < floor_bytes:
+        return SolveResult(
+            "infeasible", None, None, None, None, time.perf_counter() - started,
+            message=(
+                f"RAM budget {options.ram_budget_bytes:.0f} bytes is below the minimum any schedule can meet: "
+                f"{floor_bytes} bytes (the largest node's inputs and output together); raise --ram-budget"
+            ),
+            **common,
+        )
+
+    # A budget that does not bind: plain training reaches the compute-once lower bound, so it is optimal.
+    keep_all = keep_all_plan(priced.graph)
+    if options.shortcut_non_binding and evaluate_plan(keep_all, priced).peak_ram_bytes <= options.ram_budget_bytes:
+        elapsed = time.perf_counter() - started
+        schedule, report = _finish(
+            priced, keep_all, options, runtime_budget_s, "optimal", "bound", "keep-all", 0.0, elapsed
+        )
+        return SolveResult(
+            "optimal", schedule, report, report.energy_j, 0.0, elapsed,
+            message="the RAM budget does not bind: plain training meets the compute-once lower bound",
+            **common,
+        )
+
+    formulation_options = FormulationOptions(
+        ram_budget_bytes=float(options.ram_budget_bytes),
+        runtime_budget_s=runtime_budget_s,
+        paging=options.paging,
+        remat=options.remat,
+        paging_in_runtime=options.paging_in_runtime,
+    )
+    formulation = FORMULATIONS[options.formulation](priced, formulation_options)
+    start = None
+    if options.warm_start:
+        start = _warm_start(formulation, priced, options, runtime_budget_s)
+    result = solve_milp(
+        formulation.problem,
+        options.solver,
+        time_limit_s=options.time_limit_s,
+        mip_gap=options.mip_gap,
+        threads=options.threads,
+        start=start,
+        progress=progress,
+    )
+    elapsed = time.perf_counter() - started
+    sizes = dict(model_columns=formulation.problem.num_cols, model_rows=formulation.problem.num_rows)
+    if result.x is None:
+        message = result.message
+        if result.status == "infeasible":
+            message = (
+                f"no schedule meets {options.ram_budget_bytes:.0f} bytes and a runtime factor of "
+                f"{options.runtime_factor} with {_ablation(options)}; the hard floor is {floor_bytes} bytes — "
+                "raise --ram-budget or --runtime-budget" + ("" if options.paging else ", or allow paging")
+            )
+        return SolveResult(result.status, None, None, None, result.gap, elapsed, message=message, **common, **sizes)
+    plan = formulation.plan_from_solution(result.x)
+    try:
+        schedule, report = _finish(
+            priced, plan, options, runtime_budget_s, result.status, options.solver, formulation.name,
+            result.gap, elapsed,
+        )
+    except ScheduleValidationError as error:
+        return SolveResult(
+            "error", None, None, result.objective, result.gap, elapsed,
+            message=f"the {formulation.name} solution failed validation: {error}", **common, **sizes,
+        )
+    return SolveResult(result.status, schedule, report, report.energy_j, result.gap, elapsed, message=result.message,
+                       **common, **sizes)
+
+
+def _ablation(options: SolveOptions) -> str:
+    if not options.paging and not options.remat:
+        return "neither paging nor recomputation"
+    if not options.paging:
+        return "recomputation only"
+    if not options.remat:
+        return "paging only"
+    return "recomputation and paging"
+
+
+def _warm_start(formulation, priced: PricedGraph, options: SolveOptions, runtime_budget_s: float):
+    """The cheapest baseline plan that meets both budgets, as a full MILP start vector."""
+    candidates: list[StagePlan] = []
+    if options.paging:
+        try:
+            candidates.append(paging_plan(priced.graph, options.ram_budget_bytes))
+        except BaselineDoesNotFitError:
+            pass
+    if options.remat:
+        candidates.append(checkpoint_sqrt_n_plan(priced.graph))
+    best = None
+    for plan in candidates:
+        try:
+            report = evaluate_plan(plan, priced, ram_budget_bytes=options.ram_budget_bytes,
+                                   runtime_budget_s=runtime_budget_s, paging_in_runtime=options.paging_in_runtime)
+        except ScheduleValidationError:
+            continue
+        start = formulation.start_from_plan(plan)
+        if start is not None and (best is None or report.energy_j < best[0]):
+            best = (report.energy_j, start)
+    return best[1] if best else None
