@@ -51,6 +51,7 @@ class SolveResult:
     message: str = ""
     model_columns: int = 0
     model_rows: int = 0
+    plan: StagePlan | None = None
 
 
 def minimum_ram_bytes(priced: PricedGraph) -> int:
@@ -144,6 +145,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         return SolveResult(
             "optimal", schedule, report, report.energy_j, 0.0, elapsed,
             message="the RAM budget does not bind: plain training meets the compute-once lower bound",
+            plan=keep_all,
             **common,
         )
 
@@ -190,7 +192,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             message=f"the {formulation.name} solution failed validation: {error}", **common, **sizes,
         )
     return SolveResult(result.status, schedule, report, report.energy_j, result.gap, elapsed, message=result.message,
-                       **common, **sizes)
+                       plan=plan, **common, **sizes)
 
 
 def _ablation(options: SolveOptions) -> str:

@@ -1,0 +1,41 @@
+# poet-edge: the README's first commands. Everything runs inside .venv, created by `make setup`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= out/demo
+
+.PHONY: setup demo test test-fast lint bench clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the project metadata changes.
+$(STAMP): pyproject.toml protos/poet/v1/*.proto
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU wheel of exactly this torch version; a looser pin pulls CUDA packages.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m device_agent.protos
+	@touch $(STAMP)
+
+demo: setup
+	@mkdir -p $(DEMO_DIR)
+	$(BIN)/poet platforms
+	$(BIN)/poet solve --model resnet18_cifar --platform a72 --ram-budget 50% --runtime-budget 1.2 \
+		--plot $(DEMO_DIR) --out $(DEMO_DIR)/resnet18_cifar_a72.schedule.json
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check host device_agent tests bench
+
+bench: setup
+	$(BIN)/python bench/solver.py
+
+clean:
+	rm -rf out .pytest_cache .ruff_cache
