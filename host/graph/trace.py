@@ -24,10 +24,15 @@ A backward is the counter's backward FLOPs plus 2 x the forward FLOPs that came 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import linecache
+import logging
 import math
 import operator
 import os
 import re
+import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
@@ -167,6 +172,11 @@ _ZERO_FLOP_OPS = _VIEW_OPS | _MAYBE_VIEW_OPS | frozenset(
      "randint", "randperm", "one_hot", "repeat_interleave", "select_scatter", "slice_scatter",
      "diagonal_scatter", "as_strided_scatter", "sym_size", "_assert_tensor_metadata", "_assert_scalar"}
 )  # fmt: skip
+# Ops that read their tensor argument only for its shape/dtype: they never tie a group to their input.
+_SHAPE_ONLY_OPS = frozenset(
+    {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like", "new_zeros",
+     "new_ones", "new_empty", "new_full", "new_empty_strided"}
+)  # fmt: skip
 # When several classes tie on FLOPs, the first one here names the group.
 _CLASS_PRIORITY = ("conv", "matmul", "norm", "pool", "loss", "elementwise", "other")
 
@@ -242,7 +252,7 @@ def _pool_flops(name: str, match: re.Match, args: tuple, result: Any) -> int:
     if match.group(1):
         in_sizes = args[0].shape[-dims:]
         out_sizes = output.shape[-dims:]
-        kernel = math.prod(math.ceil(i / max(o, 1)) for i, o in zip(in_sizes, out_sizes))
+        kernel = math.prod(math.ceil(i / max(o, 1)) for i, o in zip(in_sizes, out_sizes, strict=True))
     else:
         size = args[1] if len(args) > 1 else 1
         sizes = [size] * dims if isinstance(size, int) else list(size)
@@ -292,6 +302,9 @@ class _LossWrapper(nn.Module):
         return self.loss_fn(self.model(*inputs), labels)
 
 
+_QUOTED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
 def _user_frame(error: BaseException) -> tuple[str, int, str, Any] | None:
     """The deepest traceback frame outside torch, the stdlib and this file: (file, line, function, self)."""
     skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], __file__)
@@ -316,22 +329,22 @@ def _export_error(error: Exception, bundle: ModelBundle) -> TraceError:
     headline = text.splitlines()[0] if text else type(error).__name__
     where = ""
     frame = _user_frame(error)
-    if frame is not None:
-        filename, lineno, function, owner = frame
-        source = ""
-        try:
-            import linecache
-
-            source = linecache.getline(filename, lineno).strip()
-        except Exception:
-            pass
+    # torch.export names the user line in its message ("File ..., line N, in f\n    code"); prefer that.
+    quoted = _QUOTED_FRAME.findall(text)
+    if quoted:
+        filename, line_text, function, source = quoted[-1]
+        lineno = int(line_text)
+    elif frame is not None:
+        filename, lineno, function, _ = frame
+        source = linecache.getline(filename, lineno).strip()
+    if quoted or frame is not None:
         where = f" at {os.path.basename(filename)}:{lineno} in {function}()"
+        owner = frame[3] if frame is not None and frame[:3] == (filename, lineno, function) else None
         if isinstance(owner, nn.Module):
             path = next((p for p, m in bundle.module.named_modules() if m is owner), None)
-            label = type(owner).__name__ + (f" {path!r}" if path else "")
-            where += f" of {label}"
+            where += f" of {type(owner).__name__}" + (f" {path!r}" if path else "")
         if source:
-            where += f": `{source}`"
+            where += f": `{source.strip()}`"
     if "data-dependent" in text or "GuardOnDataDependent" in type(error).__name__:
         cause = (
             "Python control flow on tensor values (if/while on a tensor, .item(), bool()) cannot be traced; "
@@ -348,10 +361,20 @@ def _export_error(error: Exception, bundle: ModelBundle) -> TraceError:
 
 def _export(bundle: ModelBundle) -> GraphModule:
     wrapper = _LossWrapper(bundle.module, bundle.loss_fn)
+    # On failure torch logs a warning and prints partial graphs to stderr; the TraceError says it better,
+    # so that output is held back and replayed only when export succeeds.
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)
+    held = io.StringIO()
     try:
-        program = torch.export.export(wrapper, tuple(bundle.inputs), {"labels": bundle.labels}, strict=False)
+        with contextlib.redirect_stderr(held):
+            program = torch.export.export(wrapper, tuple(bundle.inputs), {"labels": bundle.labels}, strict=False)
     except Exception as error:
         raise _export_error(error, bundle) from error
+    finally:
+        shapes_log.setLevel(level)
+    sys.stderr.write(held.getvalue())
     return program.module()
 
 
@@ -367,7 +390,11 @@ def _rewrite_inplace(gm: GraphModule) -> None:
         if not schema.arguments or not schema.is_mutable:
             continue
         alias = schema.arguments[0].alias_info
-        if alias is None or not alias.is_write or sum(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) != 1:
+        if (
+            alias is None
+            or not alias.is_write
+            or sum(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) != 1
+        ):
             continue
         base_name = target._schema.name.split("::")[-1]
         if not base_name.endswith("_"):
@@ -392,7 +419,8 @@ class _Draft:
     key: Any
     kind: str  # "input" | "fwd" | "loss"
     path: str  # module path relative to the user's module
-    nodes: list[Node] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)  # every node the group runs
+    primary: list[Node] = field(default_factory=list)  # the ops that made the group (name it)
 
 
 def _relative(path: str) -> str | None:
@@ -407,20 +435,29 @@ def _relative(path: str) -> str | None:
 def _common_prefix(paths: list[str]) -> list[str]:
     """Leading components shared by all paths, leaving at least one component in each."""
     split = [p.split(".") for p in paths]
-    if not split or any(not p or p == [""] for p in split):
+    if not split or any(p == [""] for p in split):
         return []
     prefix: list[str] = []
-    for parts in zip(*split):
+    for parts in zip(*split, strict=False):
         if len(set(parts)) != 1:
             break
         prefix.append(parts[0])
     return prefix[: min(len(p) for p in split) - 1]
 
 
+def _display_parts(rel: str, prefix: list[str]) -> list[str]:
+    parts = rel.split(".") if rel else []
+    return parts[len(prefix) :] if parts[: len(prefix)] == prefix else parts
+
+
 def _assign_groups(
     gm: GraphModule, user_inputs: list[Node], trainable_targets: set[str], granularity: str, block_depth: int
-) -> tuple[list[_Draft], list[str]]:
-    """Drafts in graph order (input, model groups, loss) and the common module-path prefix dropped from names."""
+) -> tuple[list[_Draft], list[str], set[Node]]:
+    """Drafts in graph order (input, model groups, loss), the module-path prefix dropped from names, attribute views.
+
+    Attribute views (views of parameters, buffers or constants) own no memory and are replicated into
+    every group that reads them, so they never become an edge between groups.
+    """
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module") and not _is_guard(n)]
     paths: dict[Node, str] = {}
     previous = ""
@@ -428,8 +465,7 @@ def _assign_groups(
         path = _module_path(node)
         paths[node] = previous if path is None else path
         previous = paths[node]
-    model_paths = [rel for n in calls if (rel := _relative(paths[n])) is not None]
-    prefix = _common_prefix(model_paths)
+    prefix = _common_prefix([rel for n in calls if (rel := _relative(paths[n])) is not None])
 
     input_draft = _Draft(INPUT_NODE, "input", "")
     loss_draft = _Draft(LOSS_NODE, "loss", "")
@@ -437,10 +473,11 @@ def _assign_groups(
     group_of: dict[Node, _Draft] = dict.fromkeys(user_inputs, input_draft)
     anchored: set[Node] = set(user_inputs)
     anchored.update(n for n in gm.graph.nodes if n.op == "get_attr" and n.target in trainable_targets)
+    attr_views: set[Node] = set()
     deferred: list[Node] = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in calls:
-        if any(a in anchored for a in node.all_input_nodes):
+        if _op_name(node) not in _SHAPE_ONLY_OPS and any(a in anchored for a in node.all_input_nodes):
             anchored.add(node)
         rel = _relative(paths[node])
         if rel is None:
@@ -448,17 +485,17 @@ def _assign_groups(
             continue
         if _is_view(node):
             base = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-            owner = group_of.get(base) if base is not None else None
-            if owner is None:
-                deferred.append(node)  # a view of a parameter, buffer or constant
+            if base is not None and (base.op == "get_attr" or base in attr_views):
+                attr_views.add(node)
+            elif base is not None and base in group_of:
+                group_of[node] = group_of[base]
             else:
-                group_of[node] = owner
+                deferred.append(node)  # a view of a constant computed in the graph
             continue
         if node not in anchored:
             deferred.append(node)  # depends only on buffers/constants: runs with its first consumer
             continue
-        parts = rel.split(".") if rel else []
-        display = parts[len(prefix) :] if parts[: len(prefix)] == prefix else parts
+        display = _display_parts(rel, prefix)
         if granularity == "block":
             key: Any = ".".join(display[:block_depth])
         elif granularity == "op":
@@ -468,36 +505,52 @@ def _assign_groups(
         if not primaries or primaries[-1].key != key:
             primaries.append(_Draft(key, "fwd", rel))
         group_of[node] = primaries[-1]
+        primaries[-1].primary.append(node)
 
     ordered = [input_draft, *primaries, loss_draft]
     position = {id(d): i for i, d in enumerate(ordered)}
-    anchors = sorted((order[n], d) for n, d in group_of.items() if n.op != "placeholder" and d is not input_draft)
+    anchors = sorted(
+        (order[n], position[id(d)]) for n, d in group_of.items() if n.op != "placeholder" and d is not input_draft
+    )
     for node in reversed(deferred):
-        users = [group_of[u] for u in node.users if u in group_of]
+        users = [position[id(group_of[u])] for u in node.users if u in group_of]
         if users:
-            owner = min(users, key=lambda d: position[id(d)])
+            owner = min(users)
         else:  # e.g. a running-statistics update: run it with the next op of the program
             later = [d for o, d in anchors if o > order[node]]
             earlier = [d for o, d in anchors if o < order[node]]
-            owner = later[0] if later else (earlier[-1] if earlier else loss_draft)
-        group_of[node] = owner
+            owner = later[0] if later else (earlier[-1] if earlier else len(ordered) - 1)
+        group_of[node] = ordered[owner]
     for node in calls:
-        group_of[node].nodes.append(node)
+        if node in group_of:
+            group_of[node].nodes.append(node)
+    for draft in ordered:
+        needed: set[Node] = set()
+        stack = [a for n in draft.nodes for a in n.all_input_nodes if a in attr_views]
+        while stack:
+            view = stack.pop()
+            if view not in needed:
+                needed.add(view)
+                stack.extend(a for a in view.all_input_nodes if a in attr_views)
+        draft.nodes = sorted([*draft.nodes, *needed], key=order.__getitem__)
     if not loss_draft.nodes:
-        raise TraceError("the loss_fn added no ops after the model output: return a scalar computed from output and labels")
-    return ordered, prefix
+        raise TraceError(
+            "the loss_fn added no ops after the model output: return a scalar computed from output and labels"
+        )
+    return ordered, prefix, attr_views
 
 
-def _draft_names(drafts: list[_Draft], prefix: list[str], module: nn.Module, granularity: str, block_depth: int) -> list[str]:
+def _draft_names(
+    drafts: list[_Draft], prefix: list[str], module: nn.Module, granularity: str, block_depth: int
+) -> list[str]:
     """Node names from module paths (made unique with ``#2``, ``#3``...)."""
     names: list[str] = []
     for draft in drafts:
         if draft.kind != "fwd":
             names.append(draft.key)
             continue
-        parts = draft.path.split(".") if draft.path else []
-        display = ".".join(parts[len(prefix) :] if parts[: len(prefix)] == prefix else parts)
-        first_op = next((_op_name(n) for n in draft.nodes if not _is_view(n)), _op_name(draft.nodes[0]))
+        display = ".".join(_display_parts(draft.path, prefix))
+        first_op = _op_name(draft.primary[0])
         if granularity == "block":
             name = ".".join(display.split(".")[:block_depth]) if display else first_op
         elif granularity == "op":
@@ -622,13 +675,23 @@ class _Backward:
 
 
 def _measure_backward(
-    traced: TracedModel, group: NodeGroup, values: dict[str, Any], attr_keys: set, formula_flops: int
+    module: GraphModule,
+    group: NodeGroup,
+    values: dict[str, Any],
+    producer: dict[str, int],
+    attr_keys: set[tuple[int, int]],
+    receiving: set[str] | None,
+    formula_flops: int,
 ) -> _Backward | None:
-    """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient."""
-    gm = traced.graph_module
-    module = traced.group_module(group.index)
+    """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient.
+
+    ``receiving``: the output values a gradient flows back into (None: all, for the loss).
+    """
+    # An in-place op left on an activation (not a buffer update) must not hit a leaf: feed clones then.
     mutates = any(
-        isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+        and not (n.args and isinstance(n.args[0], Node) and n.args[0].op == "get_attr")
         for n in module.graph.nodes
         if n.op == "call_function"
     )
@@ -652,7 +715,7 @@ def _measure_backward(
             fed.append(value)
     params: list[torch.Tensor] = []
     for name in group.param_names:
-        param = gm.get_parameter(name)
+        param = module.get_parameter(name)
         if param.requires_grad and not any(param is p for p in params):
             params.append(param)
     saved: list[torch.Tensor] = []
@@ -663,7 +726,13 @@ def _measure_backward(
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = module(*fed)
-    differentiable = [t for t in _tensors(outputs) if t.requires_grad]
+    differentiable = [
+        t
+        for name, output in zip(group.output_values, outputs, strict=True)
+        if receiving is None or name in receiving
+        for t in _tensors(output)
+        if t.requires_grad
+    ]
     if not differentiable or not (leaves or params):
         return None
     with FlopCounterMode(display=False) as counter:
@@ -680,15 +749,15 @@ def _measure_backward(
         if key is None or key in attr_keys:
             continue
         source = key_to_value.get(key)
-        producer = traced.value_producer.get(source, group.index) if source is not None else group.index
-        if source == traced.label_name:
-            continue
-        if producer not in saved_groups:
-            saved_groups.append(producer)
+        if source is not None and source not in producer:
+            continue  # the labels: fixed bytes
+        owner = group.index if source is None else producer[source]
+        if owner not in saved_groups:
+            saved_groups.append(owner)
     return _Backward(
         flops=counter.get_total_flops() + 2 * formula_flops,
         grad_bytes=sum(g.numel() * g.element_size() for g in input_grads if g is not None),
-        grad_inputs=tuple(name for (name, _), g in zip(leaves, input_grads) if g is not None),
+        grad_inputs=tuple(name for (name, _), g in zip(leaves, input_grads, strict=True) if g is not None),
         saved_groups=tuple(saved_groups),
     )
 
@@ -724,6 +793,9 @@ def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: in
 def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: float) -> TracedModel:
     gm = _export(bundle)
     _rewrite_inplace(gm)
+    # Export keeps ops whose results are unused (e.g. Hugging Face mask helpers): drop them.
+    if gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or _is_guard(n)):
+        gm.recompile()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(bundle.inputs) + 1:
         raise TraceError(
@@ -733,9 +805,10 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
     user_inputs, label_node = placeholders[:-1], placeholders[-1]
     param_targets = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    drafts, prefix = _assign_groups(gm, user_inputs, trainable, granularity, block_depth)
+    drafts, prefix, attr_views = _assign_groups(gm, user_inputs, trainable, granularity, block_depth)
     names = _draft_names(drafts, prefix, bundle.module, granularity, block_depth)
-    group_index = {node: i for i, draft in enumerate(drafts) for node in draft.nodes}
+    # Replicated attribute views are left unannotated: they belong to every group that reads them.
+    group_index = {node: i for i, draft in enumerate(drafts) for node in draft.nodes if node not in attr_views}
     for node, index in group_index.items():
         node.meta[GROUP_META_KEY] = index
     for node in user_inputs:
@@ -744,7 +817,7 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
     # ---- one forward pass: FLOPs and saved tensors per group
     recorder = _GroupRecorder(gm, group_index, len(drafts), FlopCounterMode(display=False))
     with torch.enable_grad(), recorder.counter, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-        loss = recorder.run(*bundle.inputs, bundle.labels)
+        loss = recorder.run(*(x.detach() for x in bundle.inputs), bundle.labels.detach())
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TraceError(f"model {bundle.name!r}: loss_fn must return a scalar tensor, got {type(loss).__name__}")
     if not loss.requires_grad:
@@ -757,7 +830,7 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
     producer: dict[str, int] = {p.name: 0 for p in user_inputs}
     producer.update((node.name, index) for node, index in group_index.items())
     groups: list[NodeGroup] = []
-    for index, (draft, name) in enumerate(zip(drafts, names)):
+    for index, (draft, name) in enumerate(zip(drafts, names, strict=True)):
         members = set(draft.nodes) | (set(user_inputs) if index == 0 else set())
         inputs: list[str] = []
         attrs: list[Node] = []
@@ -773,7 +846,8 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
         outputs = [
             n.name
             for n in (user_inputs if index == 0 else []) + draft.nodes
-            if any((u.op == "output") or (u in group_index and group_index[u] != index) for u in n.users)
+            if n not in attr_views
+            and any((u.op == "output") or (u in group_index and group_index[u] != index) for u in n.users)
         ]
         groups.append(
             NodeGroup(
@@ -791,9 +865,13 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
 
     # ---- forward facts: FLOPs, class, output bytes
     attr_keys = {
-        key for n in gm.graph.nodes if n.op == "get_attr" for t in _tensors(values.get(n.name)) if (key := _storage_key(t))
+        key
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        for t in _tensors(values.get(n.name))
+        if (key := _storage_key(t))
     }
-    for group, facts in zip(groups, recorder.facts):
+    for group, facts in zip(groups, recorder.facts, strict=True):
         group.flops = facts.counted_flops + facts.formula_flops
         group.op_class = "input" if group.index == 0 else ("loss" if group.kind == "loss" else _dominant_class(facts))
         excluded = set(attr_keys)
@@ -801,7 +879,10 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
             excluded.update(k for v in group.input_values for t in _tensors(values[v]) if (k := _storage_key(t)))
         counted: set[tuple[int, int]] = set()
         totals = [0, 0]  # used outputs, saved internals
-        for part, tensors in ((0, (t for v in group.output_values for t in _tensors(values[v]))), (1, iter(facts.saved))):
+        for part, tensors in (
+            (0, (t for v in group.output_values for t in _tensors(values[v]))),
+            (1, iter(facts.saved)),
+        ):
             for tensor in tensors:
                 key = _storage_key(tensor)
                 if key is None or key in excluded or key in counted:
@@ -811,18 +892,6 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
         group.output_bytes = totals[0] + totals[1]
         group.saved_bytes = totals[1]
 
-    traced = TracedModel(
-        graph=TrainingGraph(name=bundle.name, nodes=[]),
-        graph_module=gm,
-        groups=groups,
-        input_names=tuple(p.name for p in user_inputs),
-        label_name=label_node.name,
-        loss_value=loss_node.name,
-        granularity=granularity,
-        trace_seconds=0.0,
-        value_producer=producer,
-    )
-
     # ---- backward facts: each group alone, last to first; a group needs a gradient only if one reaches it
     consumers: dict[str, list[int]] = {}
     for group in groups:
@@ -830,23 +899,42 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
             consumers.setdefault(value, []).append(group.index)
     backward: dict[int, _Backward] = {}
     upstream: dict[int, list[int]] = {}
+    group_modules: dict[int, GraphModule] = {}
     for group in reversed(groups[1:]):
+        receiving: set[str] | None = None
         if group.kind != "loss":
-            sources = [
-                c for v in group.output_values for c in consumers.get(v, []) if c in backward and v in backward[c].grad_inputs
+            edges = [
+                (v, c)
+                for v in group.output_values
+                for c in consumers.get(v, [])
+                if c in backward and v in backward[c].grad_inputs
             ]
-            if not sources:
+            if not edges:
                 continue
-            upstream[group.index] = sorted(set(sources), reverse=True)
-        measured = _measure_backward(traced, group, values, attr_keys, recorder.facts[group.index].formula_flops)
+            receiving = {v for v, _ in edges}
+            upstream[group.index] = sorted({c for _, c in edges}, reverse=True)
+        group_modules[group.index] = _build_group_module(gm, group)
+        measured = _measure_backward(
+            group_modules[group.index],
+            group,
+            values,
+            producer,
+            attr_keys,
+            receiving,
+            recorder.facts[group.index].formula_flops,
+        )
         if measured is not None:
             backward[group.index] = measured
 
     # ---- the TrainingGraph
     builder = GraphBuilder(bundle.name)
     for group in groups:
-        deps = [] if group.index == 0 else list(dict.fromkeys(groups[producer[v]].name for v in group.input_values if v in producer))
-        builder.add(group.name, group.kind, group.output_bytes, group.flops, deps, group.op_class)  # type: ignore[arg-type]
+        deps = (
+            []
+            if group.index == 0
+            else list(dict.fromkeys(groups[producer[v]].name for v in group.input_values if v in producer))
+        )
+        builder.add(group.name, group.kind, group.output_bytes, group.flops, deps, group.op_class)
     for group in reversed(groups[1:]):
         measured = backward.get(group.index)
         if measured is None:
@@ -874,6 +962,15 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
     graph.meta.update({"source": "trace", "granularity": granularity, "batch_size": batch_size, "model": bundle.name})
     if granularity == "block":
         graph.meta["block_depth"] = block_depth
-    traced.graph = graph
-    traced.trace_seconds = time.perf_counter() - started
-    return traced
+    return TracedModel(
+        graph=graph,
+        graph_module=gm,
+        groups=groups,
+        input_names=tuple(p.name for p in user_inputs),
+        label_name=label_node.name,
+        loss_value=loss_node.name,
+        granularity=granularity,
+        trace_seconds=time.perf_counter() - started,
+        value_producer=producer,
+        _group_modules=group_modules,
+    )

@@ -87,11 +87,8 @@ class MilpProblem:
         worst = max(worst, float(np.max(x - np.asarray(self.col_ub), initial=0.0)))
         index = np.asarray(self.row_index, dtype=np.int64)
         value = np.asarray(self.row_value)
-        starts = np.asarray(self.row_start)
-        products = value * x[index] if len(index) else value
-        activity = np.add.reduceat(products, starts[:-1]) if len(index) else np.zeros(self.num_rows)
-        empty = starts[:-1] == starts[1:]
-        activity = np.where(empty, 0.0, activity)
+        row_of_entry = np.repeat(np.arange(self.num_rows), np.diff(np.asarray(self.row_start)))
+        activity = np.bincount(row_of_entry, weights=value * x[index], minlength=self.num_rows)
         worst = max(worst, float(np.max(np.asarray(self.row_lb) - activity, initial=0.0)))
         worst = max(worst, float(np.max(activity - np.asarray(self.row_ub), initial=0.0)))
         return worst
