@@ -9,7 +9,9 @@ Pipeline, fx style (each step annotates the exported program; nothing is re-trac
    (BatchNorm running statistics) stay in place.
 2. Grouping: every aten op gets a group (``node.meta["poet_group"]``) from its ``nn_module_stack`` at the
    chosen granularity. View ops join their producer's group; ops that depend only on constants and
-   buffers join their first consumer's group.
+   buffers (or read a tensor only for its shape, like ``zeros_like``) join their first consumer's
+   group; views of parameters/buffers are replicated into every group that reads them. Ops whose
+   results are unused are dropped.
 3. One :class:`torch.fx.Interpreter` pass on the example batch records per group the forward FLOPs and
    the tensors autograd saves (``saved_tensors_hooks``); output bytes follow from storages.
 4. Each group is re-run alone (inputs detached) and differentiated under ``FlopCounterMode``: backward
@@ -71,6 +73,8 @@ class NodeGroup:
 
     Value names are fx node names of :attr:`TracedModel.graph_module`; ``param_names`` and
     ``buffer_names`` are its attribute targets (prefixed ``model.``, the wrapper's attribute).
+    ``fx_nodes`` may repeat a view of a parameter/buffer that another group also runs. Running a
+    group again (recomputation) re-applies its buffer updates, e.g. BatchNorm running statistics.
     """
 
     index: int  # TrainingGraph index of the fwd/loss node
