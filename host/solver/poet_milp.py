@@ -4,9 +4,9 @@ Same decisions and the same memory model as the paper (Patil et al., 2022, eqs. 
 computes node t plus recomputations; checkpoints live in RAM (S_RAM) or on flash (S_SD);
 M_in/M_out page between them; U[t, k] is RAM after computing node k in stage t. Differences:
 
-- A variable exists only if it can be useful. Node i is useful at stage t when it is an ancestor
-  of (or is) a node m <= t with m == t or m still needed after stage t (the stage's frontier).
-  Nothing outside that cone can feed the stage's target or anything carried to a later stage.
+- A variable exists only if it can be useful. Node i is useful at stage t when it is an input of
+  the stage's target, or is still needed after stage t, or is a forward ancestor of such a node
+  (through forward nodes only: backward nodes are computed once, kept or paged, never recomputed).
 - U[t, ·] is tracked only at positions where stage t may allocate; elsewhere it cannot rise.
 - The free indicator of edge (i, k) gets disaggregated upper bounds (tighter LP relaxation)
   instead of the big-M pair; freeing only lowers memory, so the solver sets it whenever allowed.
@@ -39,22 +39,34 @@ class FormulationOptions:
 
 
 def useful_mask(graph: TrainingGraph) -> np.ndarray:
-    """useful[t, i]: node i can contribute to stage t's target or to a tensor live after stage t."""
+    """useful[t, i]: node i can contribute to stage t's target or to a tensor live after stage t.
+
+    Backward nodes are computed once and never recomputed (recomputing a gradient needs its
+    upstream gradients back), so only forward nodes propagate need to their own inputs.
+    """
     size = graph.size
     last_use = graph.last_use
+    recomputable = [n.kind != "bwd" for n in graph.nodes]
     useful = np.zeros((size, size), dtype=bool)
     for stage in range(size):
-        frontier = [stage] + [m for m in range(stage) if last_use[m] > stage]
         seen = useful[stage]
-        stack = list(frontier)
-        for m in frontier:
-            seen[m] = True
+        seen[stage] = True
+        stack: list[int] = []
+
+        def visit(node: int) -> None:
+            if not seen[node]:
+                seen[node] = True
+                if recomputable[node]:
+                    stack.append(node)
+
+        for dep in graph.nodes[stage].deps:
+            visit(dep)
+        for m in range(stage):
+            if last_use[m] > stage:
+                visit(m)
         while stack:
-            node = stack.pop()
-            for dep in graph.nodes[node].deps:
-                if not seen[dep]:
-                    seen[dep] = True
-                    stack.append(dep)
+            for dep in graph.nodes[stack.pop()].deps:
+                visit(dep)
     return useful
 
 
@@ -100,7 +112,7 @@ class PoetFormulation:
             for i in range(t):
                 if not useful[t, i]:
                     continue
-                if opts.remat:
+                if opts.remat and graph.nodes[i].kind != "bwd":
                     v.recompute[t, i] = problem.add_var(cost=priced.compute_j[i])
                 v.keep_ram[t, i] = problem.add_var()
             if opts.paging:

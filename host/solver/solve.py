@@ -12,6 +12,7 @@ from host.solver.baselines import BaselineDoesNotFitError, checkpoint_sqrt_n_pla
 from host.solver.milp import ProgressCallback
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
+from host.solver.policy_search import greedy_policy_plan
 from host.solver.stage_plan import StagePlan, lower_plan, make_schedule
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
@@ -208,6 +209,10 @@ def _ablation(options: SolveOptions) -> str:
 def _warm_start(formulation, priced: PricedGraph, options: SolveOptions, runtime_budget_s: float):
     """The cheapest baseline plan that meets both budgets, as a full MILP start vector."""
     candidates: list[StagePlan] = []
+    greedy = greedy_policy_plan(priced, options.ram_budget_bytes, runtime_budget_s, paging=options.paging,
+                                remat=options.remat, paging_in_runtime=options.paging_in_runtime)
+    if greedy is not None:
+        candidates.append(greedy)
     if options.paging:
         try:
             candidates.append(paging_plan(priced.graph, options.ram_budget_bytes))

@@ -1,0 +1,118 @@
+"""Solver benchmark: poet-edge's formulation against the paper's, side by side, in one run.
+
+Both formulations are solved by the same backend (HiGHS by default) to the same relative gap
+(0.1%), on the paper code's own graphs and platform constants. The paper formulation gets a time
+limit; when it hits it, the speed-up shown is a lower bound (marked ">=").
+
+    python bench/solver.py                      # the three binding cases + the README example
+    python bench/solver.py --paper-time-limit 1200 --cases resnet18_cifar:a72
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from host.costs import load_profile, price_graph
+from host.graph.poet2022 import build_poet2022_graph
+from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+# (model, platform, RAM budget: bytes if > 1 else a share of the no-remat peak, runtime factor)
+CASES = {
+    "readme": ("resnet18_cifar", "a72", 3_000_000, 7.6),
+    "resnet18_cifar:a72": ("resnet18_cifar", "a72", 0.5, 1.2),
+    "resnet18:m4": ("resnet18", "m4", 0.5, 1.2),
+    "bert:a72": ("bert", "a72", 0.5, 1.2),
+}
+
+
+def run_case(key: str, solver: str, paper_time_limit_s: float, ours_time_limit_s: float, mip_gap: float) -> list[dict]:
+    model, platform, budget, factor = CASES[key]
+    priced = price_graph(build_poet2022_graph(model), load_profile(platform))
+    peak = no_remat_peak_bytes(priced)
+    ram_budget_bytes = budget if budget > 1 else budget * peak
+    rows = []
+    for formulation, limit in (("poet2022", paper_time_limit_s), ("poet-edge", ours_time_limit_s)):
+        options = SolveOptions(
+            ram_budget_bytes=ram_budget_bytes,
+            runtime_factor=factor,
+            solver=solver,
+            time_limit_s=limit,
+            mip_gap=mip_gap,
+            formulation=formulation,
+            # the paper code has neither a warm start nor the non-binding shortcut
+            warm_start=formulation != "poet2022",
+            shortcut_non_binding=formulation != "poet2022",
+        )
+        started = time.perf_counter()
+        result = solve_schedule(priced, options)
+        wall_s = time.perf_counter() - started
+        rows.append(
+            {
+                "case": key,
+                "model": f"poet2022:{model}",
+                "platform": platform,
+                "ram_budget_bytes": ram_budget_bytes,
+                "share_of_peak": ram_budget_bytes / peak,
+                "formulation": formulation,
+                "status": result.status,
+                "wall_s": wall_s,
+                "objective_j": result.objective_j,
+                "gap": result.gap,
+                "columns": result.model_columns,
+                "rows": result.model_rows,
+                "time_limit_s": limit,
+            }
+        )
+        print(f"  {key:<20} {formulation:<10} {result.status:<10} {wall_s:8.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def _fmt(value, spec: str, empty: str = "-") -> str:
+    return format(value, spec) if value is not None else empty
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<20} {'budget':>10} {'formulation':<10} {'status':<10} {'solve s':>8} {'objective J':>14} "
+          f"{'gap':>7} {'columns':>8} {'rows':>8}")
+    for row in rows:
+        print(
+            f"{row['case']:<20} {row['share_of_peak']:>9.0%} {row['formulation']:<10} {row['status']:<10} "
+            f"{row['wall_s']:>8.1f} {_fmt(row['objective_j'], '.6f'):>14} {_fmt(row['gap'], '.3%'):>7} "
+            f"{row['columns']:>8} {row['rows']:>8}"
+        )
+    print()
+    print(f"{'case':<20} {'speed-up':>10} {'objective: ours vs paper':>26}")
+    for key in dict.fromkeys(row["case"] for row in rows):
+        paper, ours = (next(r for r in rows if r["case"] == key and r["formulation"] == f) for f in ("poet2022", "poet-edge"))
+        proven = paper["status"] == "optimal"
+        speedup = paper["wall_s"] / max(ours["wall_s"], 1e-3)
+        speed_text = f"{'' if proven else '>='}{speedup:.0f}x"
+        if ours["objective_j"] is None:
+            objective_text = "ours: no solution"
+        elif paper["objective_j"] is None:
+            objective_text = f"paper: none ({paper['status']})"
+        else:
+            delta = (ours["objective_j"] - paper["objective_j"]) / paper["objective_j"]
+            objective_text = f"{delta:+.4%} ({'no worse' if delta <= 1e-9 else 'worse'})"
+        print(f"{key:<20} {speed_text:>10} {objective_text:>26}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--solver", default="highs")
+    parser.add_argument("--paper-time-limit", type=float, default=900.0, help="seconds (default 900)")
+    parser.add_argument("--ours-time-limit", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument("--mip-gap", type=float, default=1e-3, help="relative gap counted as optimal (default 0.1%%)")
+    args = parser.parse_args(argv)
+    rows = []
+    for key in args.cases:
+        rows += run_case(key, args.solver, args.paper_time_limit, args.ours_time_limit, args.mip_gap)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""A fast heuristic schedule: one policy per tensor (keep, page, or recompute), chosen greedily.
+
+It seeds the MILP with a good incumbent (a warm start), so the solver spends its time proving
+rather than searching. Each tensor's policy applies to every gap between two consecutive stages
+that need it: keep it in RAM, page it out and back in, or drop it and recompute it where needed.
+Tensors are evicted greedily from the stage that exceeds the budget most, choosing the move that
+frees the most byte-stages per joule, until every stage fits the MILP's memory model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host.costs.priced_graph import PricedGraph
+from host.solver.stage_plan import StagePlan
+
+KEEP, PAGE, RECOMPUTE, RECOMPUTE_ONCE = "keep", "page", "recompute", "recompute-once"
+
+
+def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
+    """The stage plan that realises one policy per node (see module docstring)."""
+    graph = priced.graph
+    size = graph.size
+    deps = [n.deps for n in graph.nodes]
+    plan = StagePlan.empty(size)
+    # needed_at[i]: stages whose computations read node i (directly or through a recompute)
+    needed_at: list[set[int]] = [set() for _ in range(size)]
+    recomputed_at: list[set[int]] = [set() for _ in range(size)]
+    for stage in range(size):
+        stack = list(deps[stage])
+        while stack:
+            d = stack.pop()
+            if stage in needed_at[d]:
+                continue
+            needed_at[d].add(stage)
+            last_before = max((s for s in needed_at[d] if s < stage), default=d)
+            last_before = max(last_before, d)
+            recompute_here = policy[d] == RECOMPUTE or (policy[d] == RECOMPUTE_ONCE and not recomputed_at[d])
+            if recompute_here and stage - last_before > 1:
+                recomputed_at[d].add(stage)
+                stack.extend(deps[d])
+    # Recomputed nodes are computed in their stage; their uses in that stage need no carry-over.
+    for i in range(size):
+        for stage in recomputed_at[i]:
+            plan.recompute[stage, i] = True
+        uses = sorted(needed_at[i])
+        previous = i
+        paged_out = False
+        for stage in uses:
+            if stage in recomputed_at[i]:
+                previous = stage
+                continue
+            if stage == previous + 1 or policy[i] in (KEEP, RECOMPUTE_ONCE):
+                plan.keep_ram[previous + 1 : stage + 1, i] = True
+            elif policy[i] == PAGE:
+                if not paged_out:
+                    plan.page_out[previous, i] = True
+                    paged_out = True
+                plan.keep_flash[previous + 1 : stage, i] = True
+                plan.page_in[stage - 1, i] = True
+                plan.keep_ram[stage, i] = True
+            else:  # recompute policy but the gap is one stage: keep
+                plan.keep_ram[previous + 1 : stage + 1, i] = True
+            previous = stage
+    # A flash copy lives from its page-out to its last page-in.
+    for i in range(size):
+        if plan.page_out[:, i].any():
+            first = int(np.flatnonzero(plan.page_out[:, i])[0])
+            last_in = int(np.flatnonzero(plan.page_in[:, i])[-1]) if plan.page_in[:, i].any() else first
+            plan.keep_flash[first + 1 : last_in + 1, i] = True
+    return plan
+
+
+def model_stage_peaks(plan: StagePlan, priced: PricedGraph) -> np.ndarray:
+    """Peak RAM per stage under the MILP's memory model (host.solver.poet_milp, constraint 5)."""
+    graph = priced.graph
+    size = graph.size
+    out_bytes = np.array([n.output_bytes for n in graph.nodes], dtype=np.float64)
+    successors = graph.successors
+    peaks = np.zeros(size)
+    for t in range(size):
+        running = float(out_bytes[:t][plan.keep_ram[t, :t]].sum())
+        peak = running
+        pending_free = 0.0
+        computed = np.flatnonzero(plan.recompute[t, : t + 1])
+        computed_set = set(int(k) for k in computed)
+        for k in computed:
+            running -= pending_free
+            running += out_bytes[k]
+            peak = max(peak, running)
+            pending_free = 0.0
+            for i in graph.nodes[k].deps:
+                kept = t + 1 < size and plan.keep_ram[t + 1, i]
+                if not kept and not any(j in computed_set for j in successors[i] if k < j <= t):
+                    pending_free += out_bytes[i]
+        peaks[t] = peak
+    return peaks
+
+
+def plan_energy_j(plan: StagePlan, priced: PricedGraph) -> float:
+    return float(
+        (plan.recompute.sum(axis=0) * priced.compute_j).sum()
+        + (plan.page_in.sum(axis=0) * priced.page_in_j).sum()
+        + (plan.page_out.sum(axis=0) * priced.page_out_j).sum()
+    )
+
+
+def plan_runtime_s(plan: StagePlan, priced: PricedGraph, paging_in_runtime: bool) -> float:
+    runtime = float((plan.recompute.sum(axis=0) * priced.compute_s).sum())
+    if paging_in_runtime:
+        runtime += float((plan.page_in.sum(axis=0) * priced.page_in_s).sum())
+        runtime += float((plan.page_out.sum(axis=0) * priced.page_out_s).sum())
+    return runtime
+
+
+def greedy_policy_plan(
+    priced: PricedGraph,
+    ram_budget_bytes: float,
+    runtime_budget_s: float | None,
+    *,
+    paging: bool = True,
+    remat: bool = True,
+    paging_in_runtime: bool = False,
+    max_moves: int | None = None,
+    candidate_limit: int = 10,
+) -> StagePlan | None:
+    """Greedy eviction until every stage fits; None if it gets stuck."""
+    graph = priced.graph
+    size = graph.size
+    policy = [KEEP] * size
+    moves = [PAGE] if paging else []
+    if remat:
+        moves += [RECOMPUTE, RECOMPUTE_ONCE]
+    if not moves:
+        return None
+    tabu: set[tuple[int, str]] = set()
+    plan = plan_from_policies(priced, policy)
+    peaks = model_stage_peaks(plan, priced)
+    energy = plan_energy_j(plan, priced)
+    for _ in range(max_moves or 4 * size):
+        excess = np.maximum(peaks - ram_budget_bytes, 0.0)
+        if excess.max() <= 0:
+            plan = _improve(priced, policy, plan, ram_budget_bytes, [KEEP, *moves])
+            if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
+                return None
+            return plan
+        worst = int(np.argmax(excess))
+        # Candidates: tensors held across the worst stage, largest byte-stages held first.
+        held = [i for i in range(worst) if plan.keep_ram[worst, i] and graph.nodes[i].output_bytes > 0]
+        held.sort(key=lambda i: -graph.nodes[i].output_bytes * int(plan.keep_ram[:, i].sum()))
+        present = held[:candidate_limit]
+        best = None
+        for i in present:
+            if graph.nodes[i].output_bytes == 0:
+                continue
+            for move in moves:
+                if move == policy[i] or (i, move) in tabu:
+                    continue
+                if move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd":
+                    continue
+                trial_policy = list(policy)
+                trial_policy[i] = move
+                trial = plan_from_policies(priced, trial_policy)
+                trial_peaks = model_stage_peaks(trial, priced)
+                relief = float(excess.sum() - np.maximum(trial_peaks - ram_budget_bytes, 0.0).sum())
+                if relief <= 0:
+                    continue
+                cost = plan_energy_j(trial, priced) - energy
+                score = relief / max(cost, 1e-12)
+                if best is None or score > best[0]:
+                    best = (score, i, move, trial, trial_peaks)
+        if best is None:
+            return None
+        _, i, move, plan, peaks = best
+        policy[i] = move
+        tabu.add((i, move))
+        energy = plan_energy_j(plan, priced)
+    return None
+
+
+def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget_bytes: float, options: list[str]):
+    """Local search after the greedy: switch any evicted tensor's policy when that saves energy and fits."""
+    energy = plan_energy_j(plan, priced)
+    improved = True
+    while improved:
+        improved = False
+        for i in [i for i, p in enumerate(policy) if p != KEEP]:
+            for move in options:
+                if move == policy[i] or (move in (RECOMPUTE, RECOMPUTE_ONCE) and priced.graph.nodes[i].kind == "bwd"):
+                    continue
+                trial_policy = list(policy)
+                trial_policy[i] = move
+                trial = plan_from_policies(priced, trial_policy)
+                trial_energy = plan_energy_j(trial, priced)
+                if trial_energy < energy - 1e-15 and model_stage_peaks(trial, priced).max() <= ram_budget_bytes:
+                    policy[i], plan, energy, improved = move, trial, trial_energy, True
+    return plan
