@@ -22,7 +22,7 @@ def plot_schedule_matrices(plan: StagePlan, path: Path, title: str) -> Path:
         ("paged in / out", plan.page_in.astype(int) - plan.page_out.astype(int)),
     ]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))
-    for axis, (label, matrix) in zip(axes, panels):
+    for axis, (label, matrix) in zip(axes, panels, strict=True):
         cmap = "coolwarm" if matrix.dtype != bool else "Greys"
         axis.imshow(matrix.astype(float), cmap=cmap, interpolation="nearest", vmin=-1 if cmap == "coolwarm" else 0)
         axis.set_title(label)
@@ -60,7 +60,7 @@ def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
             (row["ram_budget_bytes"], row["energy_j"]) for row in rows if row["method"] == method and row["energy_j"]
         )
         if points:
-            xs, ys = zip(*points)
+            xs, ys = zip(*points, strict=True)
             axis.plot(np.asarray(xs) / 1e6, ys, marker=markers[number % len(markers)], label=method)
     axis.set_xlabel("RAM budget (MB, 10^6 bytes)")
     axis.set_ylabel("energy per step (J)")

@@ -92,7 +92,7 @@ class TrainingGraph:
     @cached_property
     def last_use(self) -> list[int]:
         """For each node, the index of its last consumer (itself if it has none)."""
-        return [max(users) if users else node.index for node, users in zip(self.nodes, self.successors)]
+        return [max(users) if users else node.index for node, users in zip(self.nodes, self.successors, strict=True)]
 
     @property
     def fixed_bytes(self) -> int:

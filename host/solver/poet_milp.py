@@ -52,21 +52,16 @@ def useful_mask(graph: TrainingGraph) -> np.ndarray:
         seen = useful[stage]
         seen[stage] = True
         stack: list[int] = []
-
-        def visit(node: int) -> None:
+        candidates = list(graph.nodes[stage].deps) + [m for m in range(stage) if last_use[m] > stage]
+        while candidates or stack:
+            node = candidates.pop() if candidates else None
+            if node is None:
+                candidates.extend(graph.nodes[stack.pop()].deps)
+                continue
             if not seen[node]:
                 seen[node] = True
                 if recomputable[node]:
                     stack.append(node)
-
-        for dep in graph.nodes[stage].deps:
-            visit(dep)
-        for m in range(stage):
-            if last_use[m] > stage:
-                visit(m)
-        while stack:
-            for dep in graph.nodes[stack.pop()].deps:
-                visit(dep)
     return useful
 
 
@@ -261,7 +256,7 @@ class PoetFormulation:
             off_diagonal = matrix.copy()
             if family is v.recompute:
                 np.fill_diagonal(off_diagonal, False)
-            for t, i in zip(*np.nonzero(off_diagonal)):
+            for t, i in zip(*np.nonzero(off_diagonal), strict=True):
                 col = family.get((int(t), int(i)))
                 if col is None:
                     return None

@@ -71,9 +71,6 @@ def lower_plan(plan: StagePlan, graph: TrainingGraph) -> list[Instruction]:
             for d in deps[k]:
                 last_read[d] = position
 
-        def needed_later_in_stage(i: int, position: int) -> bool:
-            return last_read.get(i, -1) > position
-
         for i in np.flatnonzero(plan.page_out[stage]):
             if i in in_ram and i not in on_flash:
                 instructions.append(Instruction("page_out", int(i)))
@@ -90,9 +87,9 @@ def lower_plan(plan: StagePlan, graph: TrainingGraph) -> list[Instruction]:
                 instructions.append(Instruction("page_out", k))
                 on_flash.add(k)
             for d in deps[k]:
-                if d in in_ram and not needed_later_in_stage(d, position) and not keep_next[d]:
+                if d in in_ram and last_read.get(d, -1) <= position and not keep_next[d]:
                     free_ram(d)
-            if k in in_ram and not needed_later_in_stage(k, position) and not keep_next[k]:
+            if k in in_ram and last_read.get(k, -1) <= position and not keep_next[k]:
                 free_ram(k)
         for i in sorted(in_ram):
             if not keep_next[i]:

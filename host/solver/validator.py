@@ -48,7 +48,7 @@ def check_schedule_matches_graph(schedule: Schedule, priced: PricedGraph) -> Non
             raise ScheduleValidationError(
                 f"schedule lists {len(schedule.nodes)} nodes but graph {graph.name!r} has {graph.size}"
             )
-        for position, (listed, node) in enumerate(zip(schedule.nodes, graph.nodes)):
+        for position, (listed, node) in enumerate(zip(schedule.nodes, graph.nodes, strict=True)):
             if listed.name != node.name:
                 raise ScheduleValidationError(
                     f"schedule node {position} is named {listed.name!r}, graph node is {node.name!r}"

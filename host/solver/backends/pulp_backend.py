@@ -50,7 +50,7 @@ def _solve(
 ) -> MilpResult:
     model, columns = columns_model
     if start is not None:
-        for variable, value in zip(columns, start):
+        for variable, value in zip(columns, start, strict=True):
             variable.setInitialValue(round(value) if variable.cat == pulp.LpInteger else value)
     started = time.perf_counter()
     model.solve(solver)
