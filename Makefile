@@ -12,7 +12,6 @@ setup: $(STAMP)
 # Idempotent: re-runs only when the project metadata changes.
 $(STAMP): pyproject.toml protos/poet/v1/*.proto
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU wheel of exactly this torch version; a looser pin pulls CUDA packages.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"

@@ -279,12 +279,12 @@ def cmd_pareto(args) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'RAM budget':>14}  {'method':<22} {'status':<11} {'energy J':>12} {'peak bytes':>12} "
+        print(f"{'RAM budget':>14}  {'method':<24} {'status':<11} {'energy J':>12} {'peak bytes':>12} "
               f"{'recomp':>6} {'pg-in':>5} {'pg-out':>6}")
         for row in rows:
             energy = f"{row['energy_j']:.6g}" if row["energy_j"] is not None else "-"
             peak = f"{row['peak_ram_bytes']:,}" if row["peak_ram_bytes"] is not None else "-"
-            print(f"{row['ram_budget_bytes']:>14,.0f}  {row['method']:<22} {row['status']:<11} {energy:>12} {peak:>12} "
+            print(f"{row['ram_budget_bytes']:>14,.0f}  {row['method']:<24} {row['status']:<11} {energy:>12} {peak:>12} "
                   f"{row.get('recomputes') or 0:>6} {row.get('page_ins') or 0:>5} {row.get('page_outs') or 0:>6}")
     if args.plot:
         from host.plots import plot_pareto

@@ -57,7 +57,7 @@ def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
     markers = "osd^v<>"
     for number, method in enumerate(methods):
         points = sorted(
-            (row["ram_budget_bytes"], row["energy_j"]) for row in rows if row["method"] == method and row["energy_j"]
+            (row["ram_budget_bytes"], row["energy_j"]) for row in rows if row["method"] == method and row["energy_j"] and row["status"] in ("optimal", "feasible")
         )
         if points:
             xs, ys = zip(*points, strict=True)

@@ -99,3 +99,19 @@ def test_models_and_platforms_list(capsys):
     assert run(capsys, "models")[0] == EXIT_OK
     code, out, _ = run(capsys, "platforms")
     assert code == EXIT_OK and "a72nocache" in out and "m0" in out
+
+
+def test_pareto_table_json_and_plot(capsys, tmp_path):
+    code, out, _ = run(capsys, "pareto", "--model", "poet2022:linear", "--platform", "a72", "--points", "3",
+                       "--json", "--plot", str(tmp_path))
+    assert code == EXIT_OK
+    rows = json.loads(out)
+    methods = {row["method"] for row in rows}
+    assert {"poet", "poet remat-only", "poet paging-only", "checkpoint √n (Chen)"} <= methods
+    for budget in {row["ram_budget_bytes"] for row in rows}:
+        at_budget = {row["method"]: row for row in rows if row["ram_budget_bytes"] == budget}
+        poet = at_budget["poet"]["energy_j"]
+        for method, row in at_budget.items():
+            if row["status"] in ("optimal", "feasible") and row["energy_j"] is not None:
+                assert poet <= row["energy_j"] * (1 + 1e-3), method  # POET is never beaten (within the gap)
+    assert list(tmp_path.glob("*_pareto.png"))
