@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"poet {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `poet models | head`
+        sys.stderr.close()
+        return EXIT_OK
 
 
 if __name__ == "__main__":
