@@ -1,0 +1,34 @@
+import pytest
+
+from host.solver.poet_milp import FormulationOptions, PoetFormulation
+from host.solver.policy_search import greedy_policy_plan, model_stage_peaks, plan_energy_j
+from host.solver.solve import evaluate_plan, minimum_ram_bytes, no_remat_peak_bytes
+
+from .graphs import price_simply, random_training_graph
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_greedy_plan_fits_validates_and_warm_starts_the_milp(seed, share):
+    priced = price_simply(random_training_graph(seed, 9))
+    budget = max(minimum_ram_bytes(priced) * 1.2, share * no_remat_peak_bytes(priced))
+    plan = greedy_policy_plan(priced, budget, None)
+    if plan is None:
+        pytest.skip("greedy found no plan at this budget (the MILP still may)")
+    assert model_stage_peaks(plan, priced).max() <= budget
+    report = evaluate_plan(plan, priced, ram_budget_bytes=budget)  # the lowering never exceeds the model
+    assert report.energy_j == pytest.approx(priced.base_compute_j + plan_energy_j(plan, priced) - priced.compute_j.sum())
+    formulation = PoetFormulation(priced, FormulationOptions(budget, None))
+    assert formulation.start_from_plan(plan) is not None
+
+
+def test_greedy_respects_the_ablations():
+    priced = price_simply(random_training_graph(11, 9))
+    budget = max(minimum_ram_bytes(priced) * 1.2, 0.6 * no_remat_peak_bytes(priced))
+    remat_only = greedy_policy_plan(priced, budget, None, paging=False)
+    if remat_only is not None:
+        assert not remat_only.page_out.any() and not remat_only.page_in.any()
+    paging_only = greedy_policy_plan(priced, budget, None, remat=False)
+    if paging_only is not None:
+        off_diagonal = paging_only.recompute.sum() - priced.graph.size
+        assert off_diagonal == 0
