@@ -259,6 +259,8 @@ class PoetFormulation:
             for t, i in zip(*np.nonzero(off_diagonal), strict=True):
                 col = family.get((int(t), int(i)))
                 if col is None:
+                    if family is v.keep_flash:
+                        continue  # a flash copy kept where nothing can read it back: dropping it is free
                     return None
                 x[col] = 1.0
         size = graph.size

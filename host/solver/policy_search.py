@@ -122,7 +122,8 @@ def greedy_policy_plan(
     remat: bool = True,
     paging_in_runtime: bool = False,
     max_moves: int | None = None,
-    candidate_limit: int = 10,
+    candidate_limit: int = 20,
+    relief_exponent: float = 1.5,
 ) -> StagePlan | None:
     """Greedy eviction until every stage fits; None if it gets stuck."""
     graph = priced.graph
@@ -166,7 +167,7 @@ def greedy_policy_plan(
                 if relief <= 0:
                     continue
                 cost = plan_energy_j(trial, priced) - energy
-                score = relief / max(cost, 1e-12)
+                score = relief**relief_exponent / max(cost, 1e-12)
                 if best is None or score > best[0]:
                     best = (score, i, move, trial, trial_peaks)
         if best is None:
@@ -179,19 +180,64 @@ def greedy_policy_plan(
 
 
 def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget_bytes: float, options: list[str]):
-    """Local search after the greedy: switch any evicted tensor's policy when that saves energy and fits."""
+    """Local search after the greedy, until no move helps.
+
+    Single moves switch one tensor's policy when that saves energy and still fits. Swap moves
+    keep an evicted tensor in RAM and evict, in exchange, a tensor held across the stage that
+    then overflows most, when the pair saves energy.
+    """
+    graph = priced.graph
     energy = plan_energy_j(plan, priced)
+
+    def allowed(i: int, move: str) -> bool:
+        return not (move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd")
+
+    def attempt(trial_policy: list[str]):
+        trial = plan_from_policies(priced, trial_policy)
+        trial_energy = plan_energy_j(trial, priced)
+        if trial_energy >= energy - 1e-15:
+            return None
+        peaks = model_stage_peaks(trial, priced)
+        return (trial, trial_energy) if peaks.max() <= ram_budget_bytes else None
+
     improved = True
     while improved:
         improved = False
         for i in [i for i, p in enumerate(policy) if p != KEEP]:
             for move in options:
-                if move == policy[i] or (move in (RECOMPUTE, RECOMPUTE_ONCE) and priced.graph.nodes[i].kind == "bwd"):
+                if move == policy[i] or not allowed(i, move):
                     continue
                 trial_policy = list(policy)
                 trial_policy[i] = move
-                trial = plan_from_policies(priced, trial_policy)
-                trial_energy = plan_energy_j(trial, priced)
-                if trial_energy < energy - 1e-15 and model_stage_peaks(trial, priced).max() <= ram_budget_bytes:
-                    policy[i], plan, energy, improved = move, trial, trial_energy, True
+                found = attempt(trial_policy)
+                if found:
+                    policy[i] = move
+                    plan, energy = found
+                    improved = True
+        for i in [i for i, p in enumerate(policy) if p != KEEP]:
+            kept_policy = list(policy)
+            kept_policy[i] = KEEP
+            kept_plan = plan_from_policies(priced, kept_policy)
+            excess = model_stage_peaks(kept_plan, priced) - ram_budget_bytes
+            worst = int(np.argmax(excess))
+            if excess[worst] <= 0:
+                continue
+            held = [j for j in range(worst) if kept_plan.keep_ram[worst, j] and policy[j] == KEEP and j != i
+                    and graph.nodes[j].output_bytes >= excess[worst]]
+            held.sort(key=lambda j: priced.compute_j[j])
+            done = False
+            for j in held[:8]:
+                for move in options[1:]:
+                    if not allowed(j, move):
+                        continue
+                    trial_policy = list(kept_policy)
+                    trial_policy[j] = move
+                    found = attempt(trial_policy)
+                    if found:
+                        policy[:] = trial_policy
+                        plan, energy = found
+                        improved = done = True
+                        break
+                if done:
+                    break
     return plan

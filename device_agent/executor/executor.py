@@ -1,0 +1,709 @@
+"""Run a POET Schedule on a real model: every compute, page-out, page-in and free, and nothing else.
+
+How backward stays exact without hidden work: a fwd/loss node's program runs under autograd with
+``saved_tensors_hooks``. Each tensor autograd saves is replaced by a handle naming where it lives:
+a parameter/buffer/label (kept as is), a storage of an input node's entry, or a storage of this
+node's own entry (its outputs plus the internals its backward needs). The node's RAM entry is exactly
+those storages, so freeing it really releases them; a page-in rebuilds them byte for byte; a
+recompute rebuilds them and the node's autograd graph. A bwd node runs ``torch.autograd.grad`` on the
+node's graph with the upstream gradients read from its consumers' bwd entries; every saved tensor is
+read back from the RAM store, and a missing one is an error rather than a silent recomputation.
+
+Recomputation is invisible to the mathematics: a recomputed program replays the RNG state of its first
+run (same dropout mask) and its buffer updates are undone (BatchNorm statistics move once per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from device_agent.executor.page_store import FlashPageStore, PageStoreError
+from device_agent.executor.partition import NodeProgram, Partition
+from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
+from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
+from device_agent.meters.memory import RssSampler
+from device_agent.meters.modelled import ModelledEnergyMeter
+from device_agent.schedule import INSTRUCTION_KINDS, Schedule
+
+# Budgets are compared with the validator's relative slack (floats summed in different orders).
+_RELATIVE_SLACK = 1e-9
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot run this schedule on this partition."""
+
+
+class ScheduleMismatchError(ExecutorError):
+    """The schedule was solved for a different graph (fingerprint or node names differ)."""
+
+
+class InvalidScheduleError(ExecutorError):
+    """A schedule that breaks a rule of the instruction set (checked before any training)."""
+
+
+class MissingTensorError(ExecutorError):
+    """A backward needed a saved tensor that the schedule does not hold in RAM."""
+
+
+class BudgetExceededError(ExecutorError):
+    """Tracked RAM went above the schedule's budget."""
+
+
+# ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class _Op:
+    kind: str
+    node: int
+    location: str
+    recompute: bool = False  # compute of a node already computed in this step
+    graph: bool = False  # fwd/loss compute whose autograd graph a later backward uses
+    retain: bool = False  # bwd compute followed by another compute of the same bwd node on this graph
+    accumulate: bool = False  # first compute of a bwd node: adds parameter gradients
+
+
+def planned_counts(schedule: Schedule) -> dict[str, int]:
+    """computes / recomputes / page_ins / page_outs the schedule asks for."""
+    return schedule.counts()
+
+
+def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes: float | None = None) -> list[_Op]:
+    """Replay ``schedule`` on ``partition`` without running anything; raise at the first broken rule.
+
+    Returns the annotated instruction list the executor runs.
+    """
+    if schedule.graph_fingerprint and schedule.graph_fingerprint != partition.fingerprint:
+        raise ScheduleMismatchError(
+            f"schedule was solved for graph {schedule.graph_name!r} with fingerprint {schedule.graph_fingerprint}, "
+            f"but this model's trace ({partition.name!r}) has fingerprint {partition.fingerprint}: the model, its "
+            "batch size or the granularity changed; solve the schedule again for this model"
+        )
+    nodes = partition.nodes
+    if schedule.nodes:
+        if len(schedule.nodes) != len(nodes):
+            raise ScheduleMismatchError(
+                f"schedule lists {len(schedule.nodes)} nodes but the model's graph {partition.name!r} has {len(nodes)}"
+            )
+        for position, (listed, node) in enumerate(zip(schedule.nodes, nodes, strict=True)):
+            if listed.name != node.name:
+                raise ScheduleMismatchError(
+                    f"schedule node {position} is named {listed.name!r}, but the model's node {position} is {node.name!r}"
+                )
+    if ram_budget_bytes is None:
+        ram_budget_bytes = schedule.ram_budget_bytes or None
+
+    def fail(position: int, message: str) -> None:
+        ins = schedule.instructions[position]
+        raise InvalidScheduleError(f"schedule instruction {position} ({ins}): {message}")
+
+    in_ram: set[int] = set()
+    on_flash: set[int] = set()
+    computed: set[int] = set()
+    ram_bytes = 0
+    last_random_first = -1
+    for position, ins in enumerate(schedule.instructions):
+        if ins.kind not in INSTRUCTION_KINDS:
+            fail(position, f"unknown instruction kind {ins.kind!r}")
+        if not 0 <= ins.node < len(nodes):
+            fail(position, f"names unknown node {ins.node}; graph {partition.name!r} has nodes 0..{len(nodes) - 1}")
+        if ins.location not in ("ram", "flash"):
+            fail(position, f"unknown location {ins.location!r}")
+        node = nodes[ins.node]
+        if ins.kind == "compute":
+            missing = [nodes[d].name for d in node.deps if d not in in_ram]
+            if missing:
+                fail(position, f"node {node.name!r} needs {missing} in RAM")
+            if ins.node in in_ram:
+                fail(position, f"node {node.name!r} is already in RAM")
+            if node.kind == "bwd" and node.forward_index not in computed:
+                fail(position, f"{node.name!r} runs before its forward node was ever computed")
+            if node.kind != "bwd" and ins.node not in computed and partition.programs[ins.node].random:
+                if ins.node < last_random_first:
+                    fail(position, f"random node {node.name!r} is first computed out of program order: its RNG "
+                         "draws would differ from plain training")
+                last_random_first = ins.node
+            in_ram.add(ins.node)
+            computed.add(ins.node)
+            ram_bytes += node.output_bytes
+        elif ins.kind == "page_out":
+            if ins.node not in in_ram:
+                fail(position, f"cannot page out {node.name!r}: not in RAM")
+            if ins.node in on_flash:
+                fail(position, f"{node.name!r} is already on flash")
+            on_flash.add(ins.node)
+        elif ins.kind == "page_in":
+            if ins.node not in on_flash:
+                fail(position, f"cannot page in {node.name!r}: no copy on flash")
+            if ins.node in in_ram:
+                fail(position, f"{node.name!r} is already in RAM")
+            in_ram.add(ins.node)
+            ram_bytes += node.output_bytes
+        else:
+            where = in_ram if ins.location == "ram" else on_flash
+            if ins.node not in where:
+                fail(position, f"cannot free {node.name!r} from {ins.location}: it is not there")
+            where.discard(ins.node)
+            if ins.location == "ram":
+                ram_bytes -= node.output_bytes
+        if ram_budget_bytes is not None and ram_bytes > ram_budget_bytes * (1 + _RELATIVE_SLACK):
+            fail(position, f"controlled RAM {ram_bytes} bytes exceeds the budget of {ram_budget_bytes:.0f} bytes")
+    never = [n.name for n in nodes if n.index not in computed]
+    if never:
+        raise InvalidScheduleError(f"schedule never computes {len(never)} node(s), e.g. {never[:5]}")
+    if in_ram or on_flash:
+        raise InvalidScheduleError(
+            f"schedule ends with {len(in_ram)} tensor(s) in RAM and {len(on_flash)} on flash: every tensor must be "
+            "freed by the end of the step"
+        )
+    return _annotate(partition, schedule)
+
+
+def _annotate(partition: Partition, schedule: Schedule) -> list[_Op]:
+    instructions = schedule.instructions
+    computes_of: dict[int, list[int]] = {}
+    for position, ins in enumerate(instructions):
+        if ins.kind == "compute":
+            computes_of.setdefault(ins.node, []).append(position)
+
+    def next_compute_is(position: int, candidates: tuple[int, ...], wanted: int) -> bool:
+        following = [(p, n) for n in candidates for p in computes_of.get(n, ()) if p > position]
+        return bool(following) and min(following)[1] == wanted
+
+    ops: list[_Op] = []
+    seen: set[int] = set()
+    for position, ins in enumerate(instructions):
+        if ins.kind != "compute":
+            ops.append(_Op(ins.kind, ins.node, ins.location))
+            continue
+        node = partition.nodes[ins.node]
+        recompute = ins.node in seen
+        seen.add(ins.node)
+        if node.kind == "bwd":
+            forward = node.forward_index
+            retain = next_compute_is(position, (forward, ins.node), ins.node)
+            ops.append(_Op("compute", ins.node, "ram", recompute, retain=retain, accumulate=not recompute))
+        else:
+            bwd = partition.programs[ins.node].bwd_index
+            graph = bwd is not None and next_compute_is(position, (ins.node, bwd), bwd)
+            ops.append(_Op("compute", ins.node, "ram", recompute, graph=graph))
+    return ops
+
+
+# ----------------------------------------------------------------------------- saved tensors
+class _Saved:
+    """What autograd keeps for a saved tensor: the tensor itself (fixed bytes) or where to find it."""
+
+    __slots__ = ("node", "tensor", "view")
+
+    def __init__(self, node: int | None, view: TensorView | None, tensor: torch.Tensor | None):
+        self.node = node
+        self.view = view
+        self.tensor = tensor
+
+
+@dataclass
+class _GraphRecord:
+    """A fwd/loss node's autograd graph, held by gradient edges only (no activation data)."""
+
+    roots: dict[str, torch.autograd.graph.GradientEdge]  # output value -> edge a gradient enters through
+    root_meta: dict[str, tuple[torch.Size, torch.dtype]]
+    leaves: dict[str, torch.Tensor]  # grad input value -> hollow leaf whose gradient the bwd node produces
+
+
+def _hollow(tensor: torch.Tensor) -> torch.Tensor:
+    """Same shape and dtype, one element of storage: what a leaf keeps once its data belongs to the store."""
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class Counters:
+    computes: int = 0
+    recomputes: int = 0
+    page_ins: int = 0
+    page_outs: int = 0
+    frees_ram: int = 0
+    frees_flash: int = 0
+    program_runs: int = 0
+    backward_runs: int = 0
+    saved_tensor_reads: int = 0
+    bytes_paged_out: int = 0
+    bytes_paged_in: int = 0
+    computes_per_node: Counter = field(default_factory=Counter)
+
+    def plan_counts(self) -> dict[str, int]:
+        return {
+            "computes": self.computes,
+            "recomputes": self.recomputes,
+            "page_ins": self.page_ins,
+            "page_outs": self.page_outs,
+        }
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    duration_s: float
+    peak_tracked_bytes: int
+    counters: Counters
+    summary: StepSummary
+
+
+# ----------------------------------------------------------------------------- executor
+class ScheduleExecutor:
+    """Trains ``partition``'s model one step at a time, following ``schedule`` instruction by instruction.
+
+    ``flash_dir`` is needed when the schedule pages. Use as a context manager (or call :meth:`close`)
+    so the page directory is removed.
+    """
+
+    def __init__(
+        self,
+        partition: Partition,
+        schedule: Schedule,
+        *,
+        flash_dir: str | None = None,
+        events: EventStream | None = None,
+        energy_meter: ModelledEnergyMeter | None = None,
+        enforce_budget: bool = False,
+        drop_page_cache: bool = True,
+    ):
+        self.partition = partition
+        self.schedule = schedule
+        self.ops = check_schedule(partition, schedule)
+        self.ram_budget_bytes = float(schedule.ram_budget_bytes or 0.0)
+        self.enforce_budget = enforce_budget
+        self.events = events if events is not None else EventStream()
+        self.energy_meter = energy_meter
+        self.rss = RssSampler()
+        self.ram = RamStore()
+        self.pages: FlashPageStore | None = None
+        if any(op.kind == "page_out" for op in self.ops):
+            if flash_dir is None:
+                raise ExecutorError("the schedule pages to flash: pass a flash directory (--flash-dir)")
+            self.pages = FlashPageStore(flash_dir, drop_cache=drop_page_cache)
+        self.step_index = 0
+        self.totals = Counters()
+        self._records: dict[int, _GraphRecord] = {}
+        self._rng_states: dict[int, torch.Tensor] = {}
+        self._hook_error: BaseException | None = None
+        self._buffers = _unique(b for p in partition.programs.values() for b in p.buffers)
+        self._fixed_keys: set[StorageKey] = set()
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self._records.clear()
+        self.ram.clear()
+        if self.pages is not None:
+            self.pages.close()
+
+    def __enter__(self) -> ScheduleExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> StepResult:
+        """Forward, loss and backward under the schedule, then ``optimizer.step()`` (when given)."""
+        partition = self.partition
+        if len(inputs) != len(partition.batch_values):
+            raise ExecutorError(f"model {partition.name!r} takes {len(partition.batch_values)} input(s), got {len(inputs)}")
+        self._inputs = tuple(inputs)
+        self._labels = labels
+        self.counters = Counters()
+        self._rng_states.clear()
+        self._records.clear()
+        self.ram.reset_peak()
+        self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
+        for param in partition.parameters:
+            param.grad = None
+        snapshot = [b.detach().clone() for b in self._buffers]
+        self._loss = float("nan")
+        compute_s = paging_s = 0.0
+        rss_peak = 0
+        start = ModelledEnergyMeter.read()
+        started = time.perf_counter()
+        step = self.step_index
+        nodes = partition.nodes
+        try:
+            for position, op in enumerate(self.ops):
+                t0 = time.perf_counter()
+                if op.kind == "compute":
+                    moved = self._compute(op)
+                elif op.kind == "page_out":
+                    moved = self._page_out(op.node)
+                elif op.kind == "page_in":
+                    moved = self._page_in(op.node)
+                elif op.location == "ram":
+                    moved = self.ram.drop(op.node)
+                    self.counters.frees_ram += 1
+                else:
+                    moved = self._pages().delete(op.node)
+                    self.counters.frees_flash += 1
+                duration_s = time.perf_counter() - t0
+                if op.kind == "compute":
+                    compute_s += duration_s
+                elif op.kind in ("page_in", "page_out"):
+                    paging_s += duration_s
+                rss_bytes = self.rss.rss_bytes()
+                rss_peak = max(rss_peak, rss_bytes)
+                if self.enforce_budget and self.ram_budget_bytes and (
+                    self.ram.in_use_bytes > self.ram_budget_bytes * (1 + _RELATIVE_SLACK)
+                ):
+                    raise BudgetExceededError(
+                        f"tracked RAM {self.ram.in_use_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "
+                        f"bytes after instruction {position} ({op.kind} {nodes[op.node].name!r})"
+                    )
+                node = nodes[op.node]
+                self.events.emit(
+                    InstructionEvent(
+                        step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s,
+                        int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute,
+                    )
+                )
+            if len(self.ram) or (self.pages is not None and self.pages.nodes()):
+                raise ExecutorError("tensors are left in RAM or on flash at the end of the step")
+            self._records.clear()
+            t0 = time.perf_counter()
+            if optimizer is not None:
+                optimizer.step()
+            optimizer_s = time.perf_counter() - t0
+        except BaseException:
+            self._abort(snapshot)
+            raise
+        duration_s = time.perf_counter() - started
+        end = ModelledEnergyMeter.read()
+        energy_j = cpu_s = None
+        if self.energy_meter is not None:
+            energy_j, cpu_s = self.energy_meter.energy_j(start, end, paging_s)
+        counters = self.counters
+        summary = StepSummary(
+            step=step,
+            duration_s=duration_s,
+            loss=self._loss,
+            peak_tracked_bytes=self.ram.peak_bytes,
+            ram_budget_bytes=self.ram_budget_bytes,
+            fixed_bytes=int(self.schedule.fixed_bytes),
+            computes=counters.computes,
+            recomputes=counters.recomputes,
+            page_ins=counters.page_ins,
+            page_outs=counters.page_outs,
+            frees=counters.frees_ram + counters.frees_flash,
+            bytes_paged_out=counters.bytes_paged_out,
+            bytes_paged_in=counters.bytes_paged_in,
+            compute_s=compute_s,
+            paging_s=paging_s,
+            optimizer_s=optimizer_s,
+            cpu_s=cpu_s if cpu_s is not None else max(end.cpu_s - start.cpu_s, 0.0),
+            energy_j=energy_j,
+            energy_source=self.energy_meter.source if self.energy_meter is not None else "",
+            rss_peak_bytes=rss_peak,
+            program_runs=counters.program_runs,
+            backward_runs=counters.backward_runs,
+            saved_tensor_reads=counters.saved_tensor_reads,
+        )
+        self.events.emit(summary)
+        self._accumulate_totals(counters)
+        self.step_index += 1
+        return StepResult(step, self._loss, duration_s, self.ram.peak_bytes, counters, summary)
+
+    # ------------------------------------------------------------------ instructions
+    def _compute(self, op: _Op) -> int:
+        node = self.partition.nodes[op.node]
+        self.counters.computes += 1
+        self.counters.recomputes += int(op.recompute)
+        self.counters.computes_per_node[op.node] += 1
+        if node.kind == "bwd":
+            return self._backward(op)
+        return self._forward(op)
+
+    def _forward(self, op: _Op) -> int:
+        partition = self.partition
+        program = partition.programs[op.node]
+        self.counters.program_runs += 1
+        if program.run is None:  # the input node: the batch itself
+            builder = EntryBuilder(op.node)
+            for name, tensor in zip(partition.batch_values, self._inputs, strict=True):
+                builder.add_named(name, tensor)
+            return self.ram.put(builder.build())
+        fed: list[torch.Tensor] = []
+        leaves: dict[str, torch.Tensor] = {}
+        input_keys: dict[StorageKey, tuple[int, int]] = {}
+        grad_inputs = set(program.grad_input_values) if op.graph else set()
+        for value in program.input_values:
+            if value == partition.label_value:
+                fed.append(self._labels)
+                continue
+            producer = partition.value_producer[value]
+            entry = self.ram.find(producer)
+            if entry is None:
+                raise InvalidScheduleError(
+                    f"computing {program.name!r} needs {partition.nodes[producer].name!r} in RAM, but it is not there"
+                )
+            tensor = entry.tensor(value)
+            key = storage_key(tensor)
+            if key is not None:
+                input_keys[key] = (producer, entry.views[value].storage_index)
+            if value in grad_inputs:
+                tensor.requires_grad_(True)  # a fresh tensor object over the store's storage: our leaf
+                leaves[value] = tensor
+            fed.append(tensor.clone() if program.mutates_inputs else tensor)
+
+        restore_rng = None
+        if program.random:
+            if op.recompute:
+                restore_rng = torch.get_rng_state()
+                torch.set_rng_state(self._rng_states[op.node])
+            else:
+                self._rng_states[op.node] = torch.get_rng_state()
+        buffer_snapshot = [b.detach().clone() for b in program.buffers] if op.recompute else None
+        try:
+            if program.bwd_index is None:
+                with torch.no_grad():
+                    outputs = program.run(*fed)
+                pending: list[_Saved] = []
+            elif op.graph:
+                packer = _Packer(op.node, input_keys, self._fixed_keys)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, self._unpack):
+                    outputs = program.run(*fed)
+                pending = packer.pending
+            else:  # no backward will read this run's graph: only its outputs count
+                with torch.enable_grad():
+                    outputs = program.run(*fed)
+                pending = []
+        finally:
+            if restore_rng is not None:
+                torch.set_rng_state(restore_rng)
+            if buffer_snapshot is not None:
+                with torch.no_grad():
+                    for buffer, saved in zip(program.buffers, buffer_snapshot, strict=True):
+                        buffer.copy_(saved)
+        del fed
+        builder = EntryBuilder(op.node)
+        roots: dict[str, torch.autograd.graph.GradientEdge] = {}
+        root_meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        senders = partition.grad_senders
+        for name, output in zip(program.output_values, outputs, strict=True):
+            builder.add_named(name, output.detach())
+            if op.graph and output.requires_grad and (name in senders or name == partition.loss_value):
+                roots[name] = torch.autograd.graph.get_gradient_edge(output)
+                root_meta[name] = (output.shape, output.dtype)
+            if name == partition.loss_value and not op.recompute:
+                self._loss = float(output.detach())
+        for saved in pending:  # internals the backward reads: they belong to this node's entry
+            saved.view = builder.add(saved.tensor)
+            saved.tensor = None
+        del outputs, pending
+        if op.graph:
+            for leaf in leaves.values():
+                leaf.data = _hollow(leaf)
+            self._records[op.node] = _GraphRecord(roots, root_meta, leaves)
+        return self.ram.put(builder.build())
+
+    def _backward(self, op: _Op) -> int:
+        partition = self.partition
+        node = partition.nodes[op.node]
+        program = partition.programs[node.forward_index]
+        record = self._records.get(program.index)
+        if record is None:
+            raise ExecutorError(f"{node.name!r}: the autograd graph of {program.name!r} is not available")
+        self.counters.backward_runs += 1
+        roots: list[torch.autograd.graph.GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        for name, edge in record.roots.items():
+            shape, dtype = record.root_meta[name]
+            if name == partition.loss_value:
+                total = torch.ones(shape, dtype=dtype)
+            else:
+                total = None
+                for consumer in partition.grad_senders.get(name, ()):
+                    consumer_bwd = partition.programs[consumer].bwd_index
+                    entry = self.ram.find(consumer_bwd)
+                    if entry is None:
+                        raise MissingTensorError(
+                            f"{node.name!r} needs the gradient of {name!r} from {partition.nodes[consumer_bwd].name!r}, "
+                            "which is not in RAM"
+                        )
+                    grad = entry.tensor(name)
+                    total = grad if total is None else total + grad
+                if total is None:
+                    continue
+            roots.append(edge)
+            grads.append(total)
+        leaf_names = list(record.leaves)
+        params = list(program.params) if op.accumulate else []
+        inputs = [record.leaves[v] for v in leaf_names] + params
+        results: tuple = ()
+        if roots and inputs:
+            self._hook_error = None
+            try:
+                results = torch.autograd.grad(roots, inputs, grad_outputs=grads, retain_graph=op.retain, allow_unused=True)
+            except Exception as error:
+                if self._hook_error is not None:
+                    raise self._hook_error from None
+                raise ExecutorError(f"backward of {program.name!r} failed: {error}") from error
+        del grads
+        if not op.retain:
+            self._records.pop(program.index, None)
+        builder = EntryBuilder(op.node)
+        leaf_grads = results[: len(leaf_names)] if results else [None] * len(leaf_names)
+        for name, grad in zip(leaf_names, leaf_grads, strict=True):
+            if grad is None:
+                leaf = record.leaves[name]
+                grad = torch.zeros(leaf.shape, dtype=leaf.dtype)
+            builder.add_named(name, grad)
+        if params and results:
+            param_grads = results[len(leaf_names) :]
+            taken = Counter(k for g in results if g is not None and (k := storage_key(g)) is not None)
+            for param, grad in zip(params, param_grads, strict=True):
+                if grad is not None:
+                    _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
+        return self.ram.put(builder.build())
+
+    def _is_shared(self, grad: torch.Tensor, taken: Counter) -> bool:
+        key = storage_key(grad)
+        return key is not None and (taken[key] > 1 or self.ram.holds_storage(grad))
+
+    def _page_out(self, node: int) -> int:
+        entry = self.ram.find(node)
+        if entry is None:
+            raise InvalidScheduleError(f"cannot page out {self.partition.nodes[node].name!r}: not in RAM")
+        written = self._pages().write(node, self.partition.nodes[node].name, entry)
+        self.counters.page_outs += 1
+        self.counters.bytes_paged_out += written
+        return written
+
+    def _page_in(self, node: int) -> int:
+        entry, read = self._pages().read(node)
+        self.ram.put(entry)
+        self.counters.page_ins += 1
+        self.counters.bytes_paged_in += read
+        return read
+
+    def _pages(self) -> FlashPageStore:
+        if self.pages is None:
+            raise PageStoreError("this schedule was not prepared for paging (no flash directory)")
+        return self.pages
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        if saved.node is None:
+            return saved.tensor
+        entry = self.ram.find(saved.node)
+        if entry is None:
+            self._hook_error = MissingTensorError(
+                f"backward needs a tensor saved by {self.partition.nodes[saved.node].name!r}, which the schedule "
+                "does not hold in RAM at this point; the executor does not recompute it behind the schedule's back"
+            )
+            raise self._hook_error
+        self.counters.saved_tensor_reads += 1
+        return entry.view_tensor(saved.view)
+
+    def _abort(self, buffer_snapshot: list[torch.Tensor]) -> None:
+        """After a failure: nothing stays in RAM or on flash, gradients are dropped, buffers restored."""
+        self._records.clear()
+        self.ram.clear()
+        if self.pages is not None:
+            self.pages.clear()
+        for param in self.partition.parameters:
+            param.grad = None
+        with torch.no_grad():
+            for buffer, saved in zip(self._buffers, buffer_snapshot, strict=True):
+                buffer.copy_(saved)
+
+    def _accumulate_totals(self, counters: Counters) -> None:
+        totals = self.totals
+        for name in ("computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
+                     "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in"):
+            setattr(totals, name, getattr(totals, name) + getattr(counters, name))
+        totals.computes_per_node.update(counters.computes_per_node)
+
+
+class _Packer:
+    """``saved_tensors_hooks`` pack for one program run: classify every saved tensor by where it lives."""
+
+    def __init__(self, node: int, input_keys: dict[StorageKey, tuple[int, int]], fixed_keys: set[StorageKey]):
+        self.node = node
+        self.input_keys = input_keys
+        self.fixed_keys = fixed_keys
+        self.pending: list[_Saved] = []
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        key = storage_key(tensor)
+        if key is None or key in self.fixed_keys:
+            return _Saved(None, None, tensor)
+        source = self.input_keys.get(key)
+        if source is not None:
+            producer, storage_index = source
+            view = TensorView(storage_index, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                              tensor.storage_offset())
+            return _Saved(producer, view, None)
+        saved = _Saved(self.node, None, tensor)  # created by this program: joins its entry when the run ends
+        self.pending.append(saved)
+        return saved
+
+
+def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: bool) -> None:
+    """What autograd's AccumulateGrad does: take the first gradient (a copy when shared), add the next in place."""
+    if param.grad is None:
+        if shared or grad.stride() != param.stride():
+            grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype).copy_(grad)
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _unique(tensors) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    result = []
+    for tensor in tensors:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            result.append(tensor)
+    return result
+
+
+def plain_train_step(
+    module: torch.nn.Module,
+    loss_fn,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> float:
+    """Ordinary eager PyTorch training step (the reference the executor must match); returns the loss."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for param in module.parameters():
+            param.grad = None
+    loss = loss_fn(module(*inputs), labels)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    return float(loss.detach())
+
+
+__all__ = [
+    "BudgetExceededError",
+    "Counters",
+    "ExecutorError",
+    "InvalidScheduleError",
+    "MissingTensorError",
+    "NodeProgram",
+    "ScheduleExecutor",
+    "ScheduleMismatchError",
+    "StepResult",
+    "check_schedule",
+    "plain_train_step",
+    "planned_counts",
+]

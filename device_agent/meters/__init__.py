@@ -1,0 +1,1 @@
+"""Meters on the device: memory sampling and energy (one file per meter)."""
