@@ -115,3 +115,24 @@ def test_pareto_table_json_and_plot(capsys, tmp_path):
             if row["status"] in ("optimal", "feasible") and row["energy_j"] is not None:
                 assert poet <= row["energy_j"] * (1 + 1e-3), method  # POET is never beaten (within the gap)
     assert list(tmp_path.glob("*_pareto.png"))
+
+
+def test_profile_local_writes_a_loadable_profile_and_leaves_flash_clean(capsys, tmp_path):
+    from host.costs import load_profile
+
+    flash = tmp_path / "flash"
+    flash.mkdir()
+    out = tmp_path / "here.profile.json"
+    code, stdout, err = run(capsys, "profile", "--local", "--quick", "--flash-dir", str(flash), "--out", str(out))
+    assert code == EXIT_OK, err
+    profile = load_profile(str(out))
+    assert profile.page_in_throughput_bytes_per_s > 0 and profile.flops_per_s["default"] > 0
+    assert profile.energy_source.startswith("modelled:")
+    assert list(flash.iterdir()) == []
+    code, stdout, err = run(capsys, "solve", "--model", "mlp", "--platform", str(out), "--ram-budget", "80%")
+    assert code == EXIT_OK, err
+
+
+def test_profile_local_missing_flash_dir_is_named(capsys, tmp_path):
+    code, _, err = run(capsys, "profile", "--local", "--quick", "--flash-dir", str(tmp_path / "nope"))
+    assert code == EXIT_USAGE and "nope" in err

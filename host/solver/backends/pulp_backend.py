@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pulp
@@ -21,7 +22,7 @@ def _to_pulp(problem: MilpProblem) -> tuple[pulp.LpProblem, list[pulp.LpVariable
         lb = problem.col_lb[col] if np.isfinite(problem.col_lb[col]) else None
         ub = problem.col_ub[col] if np.isfinite(problem.col_ub[col]) else None
         category = pulp.LpInteger if problem.col_integer[col] else pulp.LpContinuous
-        columns.append(pulp.LpVariable(f"x{col}", lb, ub, category))
+        columns.append(model.add_variable(f"x{col}", lb, ub, category))
     model += pulp.LpAffineExpression(
         [(columns[c], v) for c, v in enumerate(problem.col_cost) if v != 0.0], constant=problem.objective_offset
     )
@@ -73,10 +74,17 @@ def _solve(
 
 
 def solve_cbc(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
-    solver = pulp.PULP_CBC_CMD(
+    # The CBC binary bundled with PuLP 3 (PULP_CBC_CMD); PuLP 4 moves it to the pulp[cbc] extra.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        solver = _bundled_cbc(time_limit_s, mip_gap, threads, start)
+    return _solve(problem, solver, start, progress, _to_pulp(problem))
+
+
+def _bundled_cbc(time_limit_s, mip_gap, threads, start):
+    return pulp.PULP_CBC_CMD(
         msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads, warmStart=start is not None
     )
-    return _solve(problem, solver, start, progress, _to_pulp(problem))
 
 
 def solve_gurobi(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
