@@ -23,6 +23,8 @@ demo: setup
 	$(BIN)/poet platforms
 	$(BIN)/poet solve --model resnet18_cifar --platform a72 --ram-budget 50% --runtime-budget 1.2 \
 		--plot $(DEMO_DIR) --out $(DEMO_DIR)/resnet18_cifar_a72.schedule.json
+	# profile this machine, solve at half the no-remat peak, train a few steps with real paging
+	$(BIN)/poet demo --model resnet18_cifar --flash-dir $(DEMO_DIR) --steps 3
 
 test: setup
 	$(BIN)/python -m pytest -q

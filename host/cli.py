@@ -351,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--json", action="store_true")
     pareto.add_argument("--plot", metavar="DIR")
     pareto.set_defaults(func=cmd_pareto)
+
+    from host.train_cli import add_train_commands  # imported here: train_cli imports this module
+
+    add_train_commands(sub)
     return parser
 
 

@@ -18,10 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_INFEASIBLE = 3
-EXIT_TIMEOUT = 4
+from host.cli import EXIT_INFEASIBLE, EXIT_OK, EXIT_TIMEOUT, CliError, _add_model_args, _add_solver_args
+
 EXIT_VERIFY_FAILED = 5  # parameters differ, counters differ from the schedule, or the budget was exceeded
 
 # verify's tolerance on max |a - b| / max |b| per parameter tensor (ops that are not deterministic)
@@ -53,9 +51,7 @@ class SolveFailedError(Exception):
         self.exit_code = EXIT_INFEASIBLE if status == "infeasible" else EXIT_TIMEOUT
 
 
-def _cli_error(message: str):
-    from host.cli import CliError
-
+def _cli_error(message: str) -> CliError:
     return CliError(message)
 
 
@@ -91,6 +87,12 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
 
     if args.steps < 1:
         raise _cli_error(f"--steps must be at least 1, got {args.steps}")
+    if getattr(args, "threads", None):
+        import torch
+
+        if args.threads < 1:
+            raise _cli_error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if getattr(args, "flash_dir", None):
         from device_agent.executor import FlashDirError, check_flash_dir
 
@@ -98,6 +100,10 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
             check_flash_dir(args.flash_dir)
         except FlashDirError as error:
             raise _cli_error(str(error)) from None
+    if _allocator_mode(args) == "keep":
+        from device_agent.executor.allocator import keep_freed_memory
+
+        keep_freed_memory()
     profile = _load_profile(args, log)
     resolved = resolve_model(
         args.model, input_shape=_input_shape(args), batch_size=args.batch_size, granularity=args.granularity,
@@ -148,6 +154,13 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
         solve_status=status,
         solve_message=message,
     )
+
+
+def _allocator_mode(args) -> str:
+    mode = getattr(args, "allocator", None)
+    if mode is None:
+        return "return" if getattr(args, "cgroup", None) else "default"
+    return mode
 
 
 def make_optimizer(name: str, parameters, lr: float | None = None):
@@ -229,6 +242,7 @@ def train_scheduled(
     flash_dir: str,
     events=None,
     progress: _Progress | None = None,
+    return_freed_memory: bool = False,
 ) -> RunResult:
     """``steps`` steps of ``bundle``'s model under the prepared schedule (bundle.module must be the traced one)."""
     import torch
@@ -241,7 +255,7 @@ def train_scheduled(
     result = RunResult([], [], [], meter.source, executed=[])
     try:
         with ScheduleExecutor(prepared.partition, prepared.schedule, flash_dir=flash_dir, events=events,
-                              energy_meter=meter) as executor:
+                              energy_meter=meter, return_freed_memory=return_freed_memory) as executor:
             for step in range(steps):
                 outcome = executor.train_step(bundle.inputs, bundle.labels, optimizer)
                 summary = outcome.summary
@@ -357,6 +371,16 @@ def _train(args) -> int:
     prepared = prepare(args, log, need_schedule=not args.plain)
     bundle = prepared.resolved.bundle
     progress = _Progress(args.steps, "plain" if args.plain else "train", enabled=not args.json)
+    if args.cgroup:
+        from device_agent.executor.allocator import release_free_memory
+        from device_agent.meters.memory import join_cgroup
+
+        release_free_memory()  # tracing's freed pages must not be reused outside the cgroup
+        try:
+            join_cgroup(args.cgroup)
+        except OSError as error:
+            raise _cli_error(f"cannot join cgroup {args.cgroup!r}: {error}") from None
+        log(f"joined cgroup {args.cgroup}: its memory limit applies to training from here on")
     writer = None
     events = None
     if args.events and not args.plain:
@@ -371,7 +395,8 @@ def _train(args) -> int:
                               profile=prepared.profile, progress=progress)
         else:
             run = train_scheduled(prepared, bundle, steps=args.steps, optimizer_name=args.optimizer, lr=args.lr,
-                                  seed=args.seed, flash_dir=args.flash_dir or ".", events=events, progress=progress)
+                                  seed=args.seed, flash_dir=args.flash_dir or ".", events=events, progress=progress,
+                                  return_freed_memory=_allocator_mode(args) == "return")
     finally:
         if writer is not None:
             writer.close()
@@ -531,7 +556,7 @@ def run_demo(
         model=model, platform="local", input_shape=None, batch_size=batch_size, granularity="layer",
         ram_budget=f"{100 * budget_share:g}%", runtime_budget=2.0, solver="highs", time_limit=time_limit_s,
         no_paging=False, no_remat=False, schedule=None, flash_dir=flash_dir, steps=steps, seed=0,
-        optimizer="sgd", lr=None, plain=False, json=False, events=None,
+        optimizer="sgd", lr=None, plain=False, json=False, events=None, threads=None, cgroup=None, allocator=None,
     )
     prepared = prepare(args, lambda message: out(message))
     run = train_scheduled(prepared, prepared.resolved.bundle, steps=steps, optimizer_name="sgd", lr=None, seed=0,
@@ -543,8 +568,7 @@ def run_demo(
 
 # ---------------------------------------------------------------------------------------- parser
 def add_train_commands(subparsers) -> None:
-    """Register `train` and `verify` on the `poet` parser's subparsers."""
-    from host.cli import _add_model_args, _add_solver_args
+    """Register `train`, `verify` and `demo` on the `poet` parser's subparsers."""
 
     def common(parser: argparse.ArgumentParser) -> None:
         _add_model_args(parser, platform_required=False)
@@ -557,6 +581,10 @@ def add_train_commands(subparsers) -> None:
         parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
         parser.add_argument("--lr", type=float, default=None, help="learning rate (default: sgd 0.01, adamw 1e-3)")
         parser.add_argument("--seed", type=int, default=0, help="seed of weights, batch and RNG (default 0)")
+        parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+        parser.add_argument("--allocator", choices=["default", "keep", "return"], default=None,
+                            help="freed memory: glibc's default; keep it for reuse (fastest); or return it to the "
+                                 "OS after every free so RSS follows the schedule (default with --cgroup)")
         parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     train = subparsers.add_parser("train", help="train a model locally under its POET schedule, with real paging")
@@ -564,6 +592,8 @@ def add_train_commands(subparsers) -> None:
     train.add_argument("--steps", type=int, default=5)
     train.add_argument("--plain", action="store_true", help="ordinary PyTorch training of the same model, for comparison")
     train.add_argument("--events", metavar="FILE", help="write per-instruction telemetry as JSON lines")
+    train.add_argument("--cgroup", metavar="DIR",
+                       help="join this cgroup after tracing and solving, so its memory limit applies to training only")
     train.set_defaults(func=cmd_train, platform=None)
 
     verify = subparsers.add_parser("verify", help="check scheduled training against plain PyTorch (parameters, counters, budget)")
@@ -571,42 +601,16 @@ def add_train_commands(subparsers) -> None:
     verify.add_argument("--steps", type=int, default=3)
     verify.set_defaults(func=cmd_verify, platform=None)
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="poet", description="poet-edge: train under POET schedules")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_train_commands(sub)
-    demo = sub.add_parser("demo", help="profile this machine, solve at 50%% of the no-remat peak, train with paging")
+    demo = subparsers.add_parser("demo", help="profile this machine, solve at 50%% of the no-remat peak, train with paging")
     demo.add_argument("--model", default="resnet18_cifar")
     demo.add_argument("--flash-dir", default=".")
     demo.add_argument("--steps", type=int, default=3)
     demo.add_argument("--batch-size", type=int, default=None)
     demo.add_argument("--time-limit", type=float, default=60.0)
     demo.set_defaults(func=_cmd_demo)
-    return parser
 
 
 def _cmd_demo(args) -> int:
     run_demo(args.model, flash_dir=args.flash_dir, steps=args.steps, batch_size=args.batch_size,
              time_limit_s=args.time_limit)
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m host.train_cli train ...`), with host.cli's error handling."""
-    from host.cli import _user_errors
-
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except _user_errors() as error:
-        message = str(error).strip("'\"") if isinstance(error, KeyError) else str(error)
-        print(f"poet {args.command}: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"poet {args.command}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from device_agent.executor.allocator import malloc_trim
 from device_agent.executor.page_store import FlashPageStore, PageStoreError
 from device_agent.executor.partition import NodeProgram, Partition
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
@@ -213,9 +214,15 @@ class _GraphRecord:
     leaves: dict[str, torch.Tensor]  # grad input value -> hollow leaf whose gradient the bwd node produces
 
 
+_ZERO_BY_DTYPE: dict[torch.dtype, torch.Tensor] = {}
+
+
 def _hollow(tensor: torch.Tensor) -> torch.Tensor:
-    """Same shape and dtype, one element of storage: what a leaf keeps once its data belongs to the store."""
-    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+    """Same shape and dtype over one shared element: what a leaf keeps once its data belongs to the store."""
+    zero = _ZERO_BY_DTYPE.get(tensor.dtype)
+    if zero is None:
+        zero = _ZERO_BY_DTYPE[tensor.dtype] = torch.zeros((), dtype=tensor.dtype)
+    return zero.expand(tensor.shape)
 
 
 # ----------------------------------------------------------------------------- results
@@ -271,6 +278,7 @@ class ScheduleExecutor:
         energy_meter: ModelledEnergyMeter | None = None,
         enforce_budget: bool = False,
         drop_page_cache: bool = True,
+        return_freed_memory: bool = False,
     ):
         self.partition = partition
         self.schedule = schedule
@@ -286,12 +294,19 @@ class ScheduleExecutor:
             if flash_dir is None:
                 raise ExecutorError("the schedule pages to flash: pass a flash directory (--flash-dir)")
             self.pages = FlashPageStore(flash_dir, drop_cache=drop_page_cache)
+        self._trim = malloc_trim() if return_freed_memory else None
         self.step_index = 0
         self.totals = Counters()
         self._records: dict[int, _GraphRecord] = {}
         self._rng_states: dict[int, torch.Tensor] = {}
         self._hook_error: BaseException | None = None
         self._buffers = _unique(b for p in partition.programs.values() for b in p.buffers)
+        self._buffer_copies = [b.detach().clone() for b in self._buffers]  # for rollback after a failed step
+        self._recompute_copies = {  # a recompute restores its program's buffers from these
+            index: [b.detach().clone() for b in program.buffers]
+            for index, program in partition.programs.items()
+            if program.buffers
+        }
         self._fixed_keys: set[StorageKey] = set()
         self.counters = Counters()
 
@@ -328,7 +343,9 @@ class ScheduleExecutor:
         self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
         for param in partition.parameters:
             param.grad = None
-        snapshot = [b.detach().clone() for b in self._buffers]
+        with torch.no_grad():  # persistent copies: no allocation per step
+            for copy, buffer in zip(self._buffer_copies, self._buffers, strict=True):
+                copy.copy_(buffer)
         self._loss = float("nan")
         compute_s = paging_s = 0.0
         rss_peak = 0
@@ -348,6 +365,8 @@ class ScheduleExecutor:
                 elif op.location == "ram":
                     moved = self.ram.drop(op.node)
                     self.counters.frees_ram += 1
+                    if moved and self._trim is not None:
+                        self._trim(0)
                 else:
                     moved = self._pages().delete(op.node)
                     self.counters.frees_flash += 1
@@ -380,7 +399,7 @@ class ScheduleExecutor:
                 optimizer.step()
             optimizer_s = time.perf_counter() - t0
         except BaseException:
-            self._abort(snapshot)
+            self._abort()
             raise
         duration_s = time.perf_counter() - started
         end = ModelledEnergyMeter.read()
@@ -440,7 +459,9 @@ class ScheduleExecutor:
         fed: list[torch.Tensor] = []
         leaves: dict[str, torch.Tensor] = {}
         input_keys: dict[StorageKey, tuple[int, int]] = {}
-        grad_inputs = set(program.grad_input_values) if op.graph else set()
+        # Inputs require grad as in plain training even when this run's graph is dropped: some kernels
+        # (matmul folding) choose their path on requires_grad, and a recompute must be bitwise the same.
+        grad_inputs = set(program.grad_input_values) if program.bwd_index is not None else set()
         for value in program.input_values:
             if value == partition.label_value:
                 fed.append(self._labels)
@@ -467,7 +488,12 @@ class ScheduleExecutor:
                 torch.set_rng_state(self._rng_states[op.node])
             else:
                 self._rng_states[op.node] = torch.get_rng_state()
-        buffer_snapshot = [b.detach().clone() for b in program.buffers] if op.recompute else None
+        buffer_snapshot = None
+        if op.recompute and program.buffers:
+            buffer_snapshot = self._recompute_copies[op.node]
+            with torch.no_grad():
+                for saved, buffer in zip(buffer_snapshot, program.buffers, strict=True):
+                    saved.copy_(buffer)
         try:
             if program.bwd_index is None:
                 with torch.no_grad():
@@ -609,7 +635,7 @@ class ScheduleExecutor:
         self.counters.saved_tensor_reads += 1
         return entry.view_tensor(saved.view)
 
-    def _abort(self, buffer_snapshot: list[torch.Tensor]) -> None:
+    def _abort(self) -> None:
         """After a failure: nothing stays in RAM or on flash, gradients are dropped, buffers restored."""
         self._records.clear()
         self.ram.clear()
@@ -618,7 +644,7 @@ class ScheduleExecutor:
         for param in self.partition.parameters:
             param.grad = None
         with torch.no_grad():
-            for buffer, saved in zip(self._buffers, buffer_snapshot, strict=True):
+            for buffer, saved in zip(self._buffers, self._buffer_copies, strict=True):
                 buffer.copy_(saved)
 
     def _accumulate_totals(self, counters: Counters) -> None:

@@ -3,7 +3,8 @@
 A page-out writes a temporary file, fsyncs it, renames it into place and drops it from the OS page
 cache (``posix_fadvise(DONTNEED)``), so the page-in that follows really reads the device. The file
 carries a CRC-32 of its header and payload; a page-in verifies it. Files live in a private
-subdirectory of the flash directory, which :meth:`FlashPageStore.close` removes with everything in it.
+subdirectory of the flash directory, created at the first page-out and removed with the last page
+(and on :meth:`FlashPageStore.clear` after a failure), so nothing stays behind between steps.
 
 File format (little endian): magic ``POETPG\\0\\1``, node u32, storage count u32, payload bytes u64,
 one u64 size per storage, the storages' bytes, then CRC-32 u32 and ``END\\0``.
@@ -84,19 +85,24 @@ class FlashPageStore:
     def __init__(self, flash_dir: str | os.PathLike, *, drop_cache: bool = True):
         check_flash_dir(flash_dir)
         self.flash_dir = os.fspath(flash_dir)
-        try:
-            self.directory = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self.flash_dir)
-        except OSError as error:
-            raise FlashDirError(
-                f"cannot create files in flash dir {self.flash_dir!r} ({error.strerror}): "
-                "fix its permissions or pass another --flash-dir"
-            ) from None
+        self.directory: str | None = None  # created at the first page-out, removed when the last page goes
         self.drop_cache = drop_cache
         self.cache_dropped = True  # False once posix_fadvise was unavailable
         self._pages: dict[int, _Page] = {}
         self.bytes_written = 0
         self.bytes_read = 0
         self.closed = False
+
+    def _ensure_directory(self) -> str:
+        if self.directory is None:
+            try:
+                self.directory = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self.flash_dir)
+            except OSError as error:
+                raise FlashDirError(
+                    f"cannot create files in flash dir {self.flash_dir!r} ({error.strerror}): "
+                    "fix its permissions or pass another --flash-dir"
+                ) from None
+        return self.directory
 
     # ------------------------------------------------------------------ paging
     def __contains__(self, node: int) -> bool:
@@ -110,8 +116,9 @@ class FlashPageStore:
         if node in self._pages:
             raise PageStoreError(f"node {name!r} is already on flash")
         layout = entry.layout()
-        final = os.path.join(self.directory, f"node-{node:06d}.page")
-        temporary = os.path.join(self.directory, f".node-{node:06d}.tmp")
+        directory = self._ensure_directory()
+        final = os.path.join(directory, f"node-{node:06d}.page")
+        temporary = os.path.join(directory, f".node-{node:06d}.tmp")
         header = _HEADER.pack(_MAGIC, node, len(entry.storages), layout.nbytes) + b"".join(
             _SIZE.pack(n) for n in layout.storage_nbytes
         )
@@ -137,6 +144,8 @@ class FlashPageStore:
             if fd >= 0:
                 os.close(fd)
             _unlink_quietly(temporary)
+            if not self._pages:
+                self._remove_directory()
             size = len(header) + layout.nbytes + _TRAILER.size
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise FlashFullError(
@@ -177,6 +186,8 @@ class FlashPageStore:
                 trailer = _read_exact(handle, _TRAILER.size, page)
                 if handle.read(1):
                     raise PageCorruptError(f"page file of {page.name!r} ({page.path}) is longer than written")
+                if self.drop_cache:  # the data now lives in RAM: do not keep a second copy in the page cache
+                    _drop_cache(handle.fileno())
         except OSError as error:
             raise PageStoreError(f"paging in {page.name!r} from {page.path} failed: {error}") from None
         stored_crc, end = _TRAILER.unpack(trailer)
@@ -189,30 +200,31 @@ class FlashPageStore:
         return Entry(node, storages, dict(layout.views)), page.file_bytes
 
     def delete(self, node: int) -> int:
-        """Delete node's page file; returns its size."""
+        """Delete node's page file (and the private directory with the last one); returns its size."""
         page = self._pages.pop(node, None)
         if page is None:
             raise PageStoreError(f"node {node} has no page on flash")
         _unlink_quietly(page.path)
+        if not self._pages:
+            self._remove_directory()
         return page.file_bytes
 
     def path_of(self, node: int) -> str:
         return self._pages[node].path
 
     def clear(self) -> None:
-        """Delete every page file (the directory stays for the next step)."""
-        for node in list(self._pages):
-            self.delete(node)
-        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-            _unlink_quietly(os.path.join(self.directory, name))
+        """Delete every page file and temporary file, and the private directory."""
+        self._pages.clear()
+        self._remove_directory()
 
     def close(self) -> None:
-        """Delete every page file and the private directory."""
-        if self.closed:
-            return
-        self._pages.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.clear()
         self.closed = True
+
+    def _remove_directory(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
     def __enter__(self) -> FlashPageStore:
         return self

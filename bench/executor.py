@@ -1,0 +1,288 @@
+"""Executor benchmark: prints tables, never passes or fails.
+
+1. Overhead without memory pressure: step time of the keep-all schedule against plain PyTorch, measured
+   in one process with the two interleaved (target ratio <= 1.05).
+2. At 50% of the no-remat peak: energy, time and measured peak of POET's schedule against
+   torch.utils.checkpoint (checkpoint_sequential with k segments, and per-block checkpointing).
+   Every configuration runs in its own process, twice: once for time and energy (normal allocator),
+   once for the peak, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once and the
+   RSS high-water mark is the live-memory peak for every method alike.
+
+    python bench/executor.py [--model resnet18_cifar] [--batch-size 64] [--threads 1] [--flash-dir DIR]
+
+Part 1 runs under two allocator settings: glibc's default, and glibc keeping freed memory for reuse
+(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), which separates the executor's own cost
+from page faults caused by memory going back to the OS and returning.
+
+Energy is modelled (process CPU time x assumed power, ``modelled:cpu-time×power``), not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# ----------------------------------------------------------------------------- part 1: overhead
+def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list[dict]:
+    """Keep-all schedule against plain PyTorch, interleaved in one process, per granularity."""
+    torch.set_num_threads(threads)
+    from device_agent.executor import ScheduleExecutor, plain_train_step
+    from host.costs import load_profile, price_graph
+    from host.graph.partition import partition_from_traced
+    from host.graph.trace import trace_model
+    from host.graph.zoo import get_model_spec
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    rows = []
+    spec = get_model_spec(model)
+    for granularity, depth in (("layer", 1), ("block", 2)):
+        scheduled = spec.bundle(batch_size, seed=0)
+        plain = spec.bundle(batch_size, seed=0)
+        traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
+        priced = price_graph(traced.graph, load_profile("a72"))
+        schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
+        sgd_a = torch.optim.SGD(scheduled.module.parameters(), lr=0.01, momentum=0.9)
+        sgd_b = torch.optim.SGD(plain.module.parameters(), lr=0.01, momentum=0.9)
+        times_s: dict[str, list[float]] = {"schedule": [], "plain": []}
+        with ScheduleExecutor(partition_from_traced(traced), schedule) as executor:
+            for step in range(steps + 2):  # interleaved; the first two of each are warm-up
+                started = time.perf_counter()
+                executor.train_step(scheduled.inputs, scheduled.labels, sgd_a)
+                schedule_s = time.perf_counter() - started
+                started = time.perf_counter()
+                plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b)
+                plain_s = time.perf_counter() - started
+                if step >= 2:
+                    times_s["schedule"].append(schedule_s)
+                    times_s["plain"].append(plain_s)
+        plain_s = statistics.median(times_s["plain"])
+        schedule_s = statistics.median(times_s["schedule"])
+        rows.append({
+            "granularity": granularity if granularity == "layer" else f"block:{depth}",
+            "nodes": traced.graph.size,
+            "instructions": len(schedule.instructions),
+            "plain_s": plain_s,
+            "schedule_s": schedule_s,
+            "ratio": schedule_s / plain_s,
+        })
+    return rows
+
+
+# ----------------------------------------------------------------------------- part 2: one run per process
+def _sequential(module):
+    """The zoo ResNet as a flat nn.Sequential: stem, each block, pool, flatten, fc."""
+    return torch.nn.Sequential(module.stem, *module.blocks, module.pool, module.flatten, module.fc)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs ``inner`` under torch.utils.checkpoint: per-block checkpointing."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def run_one(config: dict) -> dict:
+    """Train ``steps`` steps with one method; report median step time, energy and peaks (JSON on stdout)."""
+    from device_agent.executor import ScheduleExecutor, plain_train_step
+    from device_agent.executor.allocator import release_free_memory
+    from device_agent.meters.memory import PeakRssSampler
+    from device_agent.meters.modelled import ModelledEnergyMeter
+    from device_agent.serde import read_schedule_file
+    from host.graph.partition import partition_from_traced
+    from host.graph.trace import trace_model
+    from host.graph.zoo import get_model_spec
+
+    torch.set_num_threads(config["threads"])
+    bundle = get_model_spec(config["model"]).bundle(config["batch_size"], seed=0)
+    optimizer = torch.optim.SGD(bundle.module.parameters(), lr=0.01, momentum=0.9)
+    meter = ModelledEnergyMeter(config["compute_power_w"], config["memory_power_w"], config["threads"])
+    method = config["method"]
+    executor = None
+    sequential = _sequential(bundle.module)
+    per_block = torch.nn.Sequential(*[_Checkpointed(m) for m in sequential])
+    if method == "poet":
+        traced = trace_model(bundle, granularity="layer")
+        executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(config["schedule"]),
+                                    flash_dir=config["flash_dir"], energy_meter=meter)
+
+    def step() -> float:
+        """One training step; returns the seconds spent paging."""
+        if executor is not None:
+            return executor.train_step(bundle.inputs, bundle.labels, optimizer).summary.paging_s
+        if method == "plain":  # the reference: the zoo module itself, eagerly
+            plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
+            return 0.0
+        optimizer.zero_grad(set_to_none=True)
+        x = bundle.inputs[0]
+        if method == "per_block":
+            output = per_block(x)
+        else:
+            output = checkpoint_sequential(sequential, config["segments"], x, use_reentrant=False)
+        bundle.loss_fn(output, bundle.labels).backward()
+        optimizer.step()
+        return 0.0
+
+    step()  # warm-up
+    release_free_memory()
+    times_s, energies_j = [], []
+    with PeakRssSampler() as peak:
+        for _ in range(config["steps"]):
+            start = meter.read()
+            paging_s = step()
+            end = meter.read()
+            times_s.append(end.wall_s - start.wall_s)
+            energies_j.append(meter.energy_j(start, end, paging_s)[0])
+    result = {
+        "step_s": statistics.median(times_s),
+        "energy_j": statistics.median(energies_j),
+        "peak_rss_delta_bytes": peak.peak_bytes - peak.start_bytes,
+    }
+    if executor is not None:
+        result["peak_tracked_bytes"] = executor.ram.peak_bytes
+        executor.close()
+    return result
+
+
+ALLOCATORS = {
+    "glibc default": {},
+    "glibc keeps freed memory": {"MALLOC_MMAP_THRESHOLD_": str(2 << 30), "MALLOC_TRIM_THRESHOLD_": str(2 << 30)},
+    "returns freed memory at once": {"MALLOC_MMAP_THRESHOLD_": "65536"},  # every tensor mmapped
+}
+
+
+def _spawn(config: dict, measure_peak: bool = False, mode: str = "--run", allocator: str = "glibc default"):
+    env = dict(os.environ)
+    env.update(ALLOCATORS["returns freed memory at once" if measure_peak else allocator])
+    out = subprocess.run([sys.executable, __file__, mode, json.dumps(config)], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{config['method']} run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def budget_rows(args) -> tuple[dict, list[dict]]:
+    from device_agent.serde import write_schedule_file
+    from host.costs import price_graph
+    from host.costs.local_bench import profile_local_machine
+    from host.graph.resolve import resolve_model
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    torch.set_num_threads(args.threads)
+    profile = profile_local_machine(args.flash_dir, quick=True)
+    resolved = resolve_model(args.model, batch_size=args.batch_size)
+    priced = price_graph(resolved.graph, profile)
+    peak = no_remat_peak_bytes(priced)
+    budget = 0.5 * peak
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=args.runtime_budget,
+                                                 time_limit_s=args.time_limit))
+    if result.schedule is None:
+        raise SystemExit(f"no schedule at 50% of the no-remat peak: {result.message}")
+    schedule_file = os.path.join(tempfile.mkdtemp(prefix="poet-bench-"), "schedule.json")
+    write_schedule_file(result.schedule, schedule_file)
+    common = {
+        "model": args.model, "batch_size": args.batch_size, "threads": args.threads, "steps": args.steps,
+        "compute_power_w": profile.compute_power_w,  # profiled with args.threads threads
+        "memory_power_w": profile.memory_power_w, "flash_dir": args.flash_dir, "schedule": schedule_file,
+    }
+    methods = [("plain (no recomputation)", {"method": "plain"}), ("POET", {"method": "poet"})]
+    methods += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}) for k in (2, 3, 4, 6)]
+    methods += [("per-block checkpoint", {"method": "per_block"})]
+    rows = []
+    for label, extra in methods:
+        config = {**common, **extra}
+        timed = _spawn(config, measure_peak=False)
+        peaked = _spawn(config, measure_peak=True)
+        rows.append({"method": label, **timed, "peak_rss_delta_bytes": peaked["peak_rss_delta_bytes"],
+                     "peak_tracked_bytes": timed.get("peak_tracked_bytes")})
+    os.unlink(schedule_file)
+    os.rmdir(os.path.dirname(schedule_file))
+    counts = result.schedule.counts()
+    info = {"no_remat_peak_bytes": peak, "budget_bytes": budget, "status": result.status, "gap": result.gap,
+            "predicted": result.schedule.prediction, "counts": counts, "profile": profile}
+    return info, rows
+
+
+# ----------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18_cifar")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
+    parser.add_argument("--flash-dir", default=".")
+    parser.add_argument("--overhead-batch-size", type=int, default=128, help="batch of part 1 (default 128)")
+    parser.add_argument("--runtime-budget", type=float, default=2.0, help="runtime factor of the solve (default 2)")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="solver time limit, seconds")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        print(json.dumps(run_one(json.loads(args.run))))
+        return
+    if args.run_overhead:
+        config = json.loads(args.run_overhead)
+        print(json.dumps(overhead_rows(config["model"], config["batch_size"], config["steps"], config["threads"])))
+        return
+    torch.set_num_threads(args.threads)
+    print(f"# Executor benchmark: {args.model}, {args.threads} torch thread(s), torch {torch.__version__}")
+    print(f"\n## 1. No memory pressure: keep-all schedule against plain PyTorch, batch {args.overhead_batch_size} "
+          f"(one process per allocator setting, the two interleaved, median of {args.steps} steps)\n")
+    print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
+          f"{'POET s/step':>12} {'ratio':>6}")
+    for allocator in ("glibc default", "glibc keeps freed memory"):
+        config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.steps,
+                  "threads": args.threads}
+        for row in _spawn(config, mode="--run-overhead", allocator=allocator):
+            print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
+                  f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f}")
+
+    info, rows = budget_rows(args)
+    predicted = info["predicted"]
+    print(f"\n## 2. Batch {args.batch_size}, at 50% of the no-remat peak ({info['budget_bytes'] / 1e6:.1f} MB of "
+          f"{info['no_remat_peak_bytes'] / 1e6:.1f} MB), layer granularity, profile of this machine (quick)\n")
+    gap = f", gap {100 * info['gap']:.1f}%" if info["gap"] else ""
+    print(f"POET schedule ({info['status']}{gap}, runtime factor {args.runtime_budget}): "
+          f"{info['counts']['recomputes']} recomputes, "
+          f"{info['counts']['page_outs']} page-outs, {info['counts']['page_ins']} page-ins; predicted "
+          f"{predicted.runtime_s + predicted.paging_s:.4f} s, {predicted.energy_j:.3f} J, "
+          f"peak {predicted.peak_ram_bytes / 1e6:.1f} MB")
+    print("energy: modelled:cpu-time×power (not measured); peak RSS: high-water above the step-start RSS, "
+          "allocator returning freed memory at once\n")
+    print(f"{'method':<28} {'s/step':>8} {'J/step':>8} {'peak RSS MB':>12} {'tracked MB':>11}")
+    for row in rows:
+        tracked = f"{row['peak_tracked_bytes'] / 1e6:>11.1f}" if row.get("peak_tracked_bytes") else f"{'-':>11}"
+        print(f"{row['method']:<28} {row['step_s']:>8.4f} {row['energy_j']:>8.3f} "
+              f"{row['peak_rss_delta_bytes'] / 1e6:>12.1f} {tracked}")
+    poet = next(r for r in rows if r["method"] == "POET")
+    rivals = [r for r in rows if "checkpoint" in r["method"] and r["peak_rss_delta_bytes"] >= poet["peak_rss_delta_bytes"]]
+    if rivals:
+        best = min(rivals, key=lambda r: r["energy_j"])
+        print(f"\nat equal or higher memory, the best checkpointing is {best['method']}: "
+              f"{best['energy_j'] / poet['energy_j']:.2f}x POET's energy, {best['step_s'] / poet['step_s']:.2f}x its time")
+    else:
+        print("\nno checkpointing configuration used as much memory as POET's schedule")
+    print("note: torch.utils.checkpoint recomputes BatchNorm forwards and so moves the running statistics twice "
+          "per step; POET's recomputations do not.")
+
+
+if __name__ == "__main__":
+    main()

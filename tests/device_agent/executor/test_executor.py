@@ -1,0 +1,250 @@
+"""The executor against eager PyTorch: every schedule kind on mlp, resnet18_cifar and hf_bert.
+
+Each case trains a few steps under the schedule and plainly from the same seed and data, then checks
+parameters (and buffers), the counters against the schedule, and the tracked peak against the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from device_agent.executor import (
+    EventStream,
+    InvalidScheduleError,
+    MissingTensorError,
+    PageCorruptError,
+    ScheduleExecutor,
+    ScheduleMismatchError,
+)
+from device_agent.schedule import Instruction
+from tests.device_agent.executor.helpers import (
+    case,
+    param_diff,
+    run_plain,
+    run_scheduled,
+    schedule_for,
+    without,
+)
+
+pytest.importorskip("transformers")
+
+STEPS = 3
+CASES = [
+    (model, kind, optimizer)
+    for model in ("mlp", "resnet18_cifar", "hf_bert")
+    for kind, optimizer in (("none", "sgd"), ("remat", "adamw"), ("paging", "sgd"), ("mixed", "adamw"))
+]
+
+
+def _check_kind(kind: str, counts: dict) -> None:
+    recomputes, page_ins = counts["recomputes"], counts["page_ins"]
+    expected = {"none": (False, False), "remat": (True, False), "paging": (False, True), "mixed": (True, True)}[kind]
+    assert (recomputes > 0, page_ins > 0) == expected, f"{kind} schedule has counts {counts}"
+
+
+@pytest.mark.parametrize("model,kind,optimizer", CASES, ids=[f"{m}-{k}-{o}" for m, k, o in CASES])
+def test_schedule_matches_plain_pytorch(model, kind, optimizer, tmp_path):
+    current = case(model)
+    schedule, budget = schedule_for(model, kind)
+    _check_kind(kind, schedule.counts())
+    events = EventStream()
+    leftovers = []
+    events.subscribe(lambda e: leftovers.extend(os.listdir(tmp_path)) if e.type == "step" else None)
+    results = run_scheduled(current, schedule, steps=STEPS, optimizer=optimizer, flash_dir=tmp_path, events=events)
+    assert leftovers == []  # nothing on flash after a step
+    plain, plain_losses = run_plain(current, steps=STEPS, optimizer=optimizer)
+
+    relative, bitwise = param_diff(current.bundle.module, plain.module)
+    assert relative <= 1e-6, f"{model}/{kind}: parameters differ from plain PyTorch by {relative:.3g} (relative)"
+    if model == "mlp":
+        assert bitwise, "mlp runs only deterministic ops: the parameters must be bitwise equal"
+    assert [r.loss for r in results] == pytest.approx(plain_losses, rel=1e-6)
+
+    planned = schedule.counts()
+    nodes = current.partition.nodes
+    per_node = Counter(ins.node for ins in schedule.instructions if ins.kind == "compute")
+    fwd_computes = sum(n for node, n in per_node.items() if nodes[node].kind != "bwd")
+    for result in results:
+        counters = result.counters
+        assert counters.plan_counts() == {k: planned[k] for k in ("computes", "recomputes", "page_ins", "page_outs")}
+        assert counters.computes_per_node == per_node
+        assert counters.program_runs == fwd_computes  # no forward ran outside a compute instruction
+        assert counters.backward_runs == counters.computes - fwd_computes
+        assert counters.saved_tensor_reads > 0
+        assert result.peak_tracked_bytes <= budget
+        assert result.peak_tracked_bytes <= schedule.prediction.peak_ram_bytes
+
+    instruction_events = events.instructions()
+    assert len(instruction_events) == STEPS * len(schedule.instructions)
+    assert len(events.steps()) == STEPS
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet18_cifar", "hf_bert"])
+def test_first_compute_stores_exactly_the_traced_bytes(model, tmp_path):
+    """A fwd node's entry (outputs + what its backward saved) has the bytes the solver priced."""
+    current = case(model)
+    schedule, _ = schedule_for(model, "none")
+    events = EventStream()
+    run_scheduled(current, schedule, steps=1, optimizer="sgd", flash_dir=tmp_path, events=events)
+    nodes = current.partition.nodes
+    for event in events.instructions():
+        if event.kind == "compute" and nodes[event.node].kind != "bwd":
+            assert event.bytes_moved == nodes[event.node].output_bytes, event.node_name
+        if event.kind == "compute" and nodes[event.node].kind == "bwd":
+            assert event.bytes_moved <= nodes[event.node].output_bytes, event.node_name
+
+
+def test_recompute_replays_the_dropout_mask(tmp_path):
+    current = case("hf_bert")
+    schedule, _ = schedule_for("hf_bert", "remat")
+    recomputed = {i.node for i in schedule.instructions if i.kind == "compute"} & {
+        p.index for p in current.partition.programs.values() if p.random
+    }
+    counts = Counter(i.node for i in schedule.instructions if i.kind == "compute")
+    assert any(counts[node] > 1 for node in recomputed), "the schedule should recompute a dropout node"
+    run_scheduled(current, schedule, steps=2, optimizer="adamw", flash_dir=tmp_path)
+    plain, _ = run_plain(current, steps=2, optimizer="adamw")
+    assert param_diff(current.bundle.module, plain.module)[0] <= 1e-6
+    # Control: without replaying the RNG state the recomputed mask differs and so do the parameters.
+    run_scheduled(current, schedule, steps=2, optimizer="adamw", flash_dir=tmp_path,
+                  partition=without(current.partition, random=False))
+    assert param_diff(current.bundle.module, plain.module)[0] > 1e-6
+
+
+def test_recompute_updates_batchnorm_statistics_once(tmp_path):
+    current = case("resnet18_cifar")
+    schedule, _ = schedule_for("resnet18_cifar", "remat")
+    counts = Counter(i.node for i in schedule.instructions if i.kind == "compute")
+    with_buffers = {p.index for p in current.partition.programs.values() if p.buffers}
+    assert any(counts[node] > 1 for node in with_buffers), "the schedule should recompute a BatchNorm node"
+    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path)
+    plain, _ = run_plain(current, steps=2, optimizer="sgd")
+    for (name, a), (_, b) in zip(current.bundle.module.named_buffers(), plain.module.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    # Control: a recompute that keeps its buffer updates moves the running statistics twice.
+    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path,
+                  partition=without(current.partition, buffers=()))
+    differs = [name for (name, a), (_, b) in zip(current.bundle.module.named_buffers(), plain.module.named_buffers(),
+                                                 strict=True) if not torch.equal(a, b)]
+    assert any("running_mean" in name for name in differs)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _schedule_copy(schedule, **changes):
+    return dataclasses.replace(schedule, **changes)
+
+
+def test_unknown_node_is_rejected_before_training(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "none")
+    bad = _schedule_copy(schedule, instructions=[*schedule.instructions[:3], Instruction("compute", 999)])
+    with pytest.raises(InvalidScheduleError, match="unknown node 999"):
+        ScheduleExecutor(current.partition, bad, flash_dir=str(tmp_path))
+
+
+def test_schedule_breaking_a_dependency_is_rejected(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "none")
+    bad = _schedule_copy(schedule, instructions=[Instruction("compute", 2), *schedule.instructions])
+    with pytest.raises(InvalidScheduleError, match="needs"):
+        ScheduleExecutor(current.partition, bad, flash_dir=str(tmp_path))
+
+
+def test_schedule_for_another_trace_is_rejected(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "none")
+    with pytest.raises(ScheduleMismatchError, match="fingerprint"):
+        ScheduleExecutor(current.partition, _schedule_copy(schedule, graph_fingerprint="0123456789abcdef"))
+
+
+def test_paging_schedule_needs_a_flash_dir(tmp_path):
+    from device_agent.executor import ExecutorError, FlashDirError
+
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "paging")
+    with pytest.raises(ExecutorError, match="flash"):
+        ScheduleExecutor(current.partition, schedule)
+    with pytest.raises(FlashDirError, match="does not exist"):
+        ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path / "missing"))
+
+
+def test_corrupted_page_fails_the_step_and_leaves_nothing(tmp_path):
+    current = case("resnet18_cifar")
+    schedule, _ = schedule_for("resnet18_cifar", "paging")
+    events = EventStream()
+    current.reset()
+    before = {k: v.clone() for k, v in current.bundle.module.state_dict().items()}
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path), events=events) as executor:
+
+        def corrupt(event) -> None:
+            if getattr(event, "kind", None) == "page_out":
+                path = executor.pages.path_of(event.node)
+                with open(path, "r+b") as handle:
+                    handle.seek(100)
+                    byte = handle.read(1)
+                    handle.seek(100)
+                    handle.write(bytes([byte[0] ^ 0xFF]))
+
+        events.subscribe(corrupt)
+        with pytest.raises(PageCorruptError, match="corrupted") as raised:
+            executor.train_step(current.bundle.inputs, current.bundle.labels)
+        first_page_in = next(i.node for i in schedule.instructions if i.kind == "page_in")
+        assert repr(current.partition.nodes[first_page_in].name) in str(raised.value)
+        assert os.listdir(tmp_path) == []  # no page file, no temporary file, no directory
+        assert len(executor.ram) == 0
+        assert all(p.grad is None for p in current.bundle.module.parameters())
+    after = current.bundle.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics rolled back
+    assert os.listdir(tmp_path) == []
+
+
+def test_full_flash_fails_the_page_out_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from device_agent.executor import FlashFullError, page_store
+
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "paging")
+    current.reset()
+    written = []
+
+    def write_until_full(fd, view):
+        if len(written) >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(len(view))
+        os.write(fd, view)
+
+    monkeypatch.setattr(page_store, "_write_all", write_until_full)
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path)) as executor:
+        with pytest.raises(FlashFullError, match="full"):
+            executor.train_step(current.bundle.inputs, current.bundle.labels)
+        assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_saved_tensor_is_an_error_not_a_silent_recompute(tmp_path):
+    """If a schedule drops a tensor a backward saved, the executor says so instead of recomputing it."""
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "none")
+    nodes = current.partition.nodes
+    bwd = next(n for n in nodes if n.kind == "bwd" and n.name == "bwd:0")
+    saved_from = [d for d in bwd.deps if nodes[d].kind != "bwd"]
+    assert saved_from
+    # A partition that (wrongly) says the backward needs no saved tensor, and a schedule freeing it early.
+    lying = list(nodes)
+    lying[bwd.index] = dataclasses.replace(bwd, deps=tuple(d for d in bwd.deps if d not in saved_from))
+    partition = dataclasses.replace(current.partition, nodes=lying)
+    instructions = [i for i in schedule.instructions if not (i.kind == "free" and i.node in saved_from)]
+    at = next(k for k, i in enumerate(instructions) if i.kind == "compute" and i.node == bwd.index)
+    instructions[at:at] = [Instruction("free", d, "ram") for d in saved_from]
+    bad = _schedule_copy(schedule, instructions=instructions, nodes=[])
+    current.reset()
+    with ScheduleExecutor(partition, bad, flash_dir=str(tmp_path)) as executor:
+        with pytest.raises(MissingTensorError, match=repr(nodes[saved_from[0]].name)):
+            executor.train_step(current.bundle.inputs, current.bundle.labels)
+        assert len(executor.ram) == 0
