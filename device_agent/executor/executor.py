@@ -28,10 +28,9 @@ from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, 
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.modelled import ModelledEnergyMeter
-from device_agent.schedule import INSTRUCTION_KINDS, Schedule
+from device_agent.replay import RELATIVE_SLACK, ReplayError, check_schedule_matches, replay
+from device_agent.schedule import Schedule
 
-# Budgets are compared with the validator's relative slack (floats summed in different orders).
-_RELATIVE_SLACK = 1e-9
 
 
 class ExecutorError(RuntimeError):
@@ -76,89 +75,34 @@ def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes
 
     Returns the annotated instruction list the executor runs.
     """
-    if schedule.graph_fingerprint and schedule.graph_fingerprint != partition.fingerprint:
-        raise ScheduleMismatchError(
-            f"schedule was solved for graph {schedule.graph_name!r} with fingerprint {schedule.graph_fingerprint}, "
-            f"but this model's trace ({partition.name!r}) has fingerprint {partition.fingerprint}: the model, its "
-            "batch size or the granularity changed; solve the schedule again for this model"
-        )
-    nodes = partition.nodes
-    if schedule.nodes:
-        if len(schedule.nodes) != len(nodes):
-            raise ScheduleMismatchError(
-                f"schedule lists {len(schedule.nodes)} nodes but the model's graph {partition.name!r} has {len(nodes)}"
-            )
-        for position, (listed, node) in enumerate(zip(schedule.nodes, nodes, strict=True)):
-            if listed.name != node.name:
-                raise ScheduleMismatchError(
-                    f"schedule node {position} is named {listed.name!r}, but the model's node {position} is {node.name!r}"
-                )
+    try:
+        check_schedule_matches(schedule, partition.fingerprint, [n.name for n in partition.nodes], partition.name)
+    except ReplayError as error:
+        raise ScheduleMismatchError(str(error)) from None
     if ram_budget_bytes is None:
         ram_budget_bytes = schedule.ram_budget_bytes or None
+    nodes = partition.nodes
+    first_computed: set[int] = set()
+    last_random_first = [-1]
 
-    def fail(position: int, message: str) -> None:
-        ins = schedule.instructions[position]
-        raise InvalidScheduleError(f"schedule instruction {position} ({ins}): {message}")
+    def executor_rules(position: int, index: int) -> str | None:
+        """Rules of exact execution on top of the schedule's own: forward before backward, RNG order."""
+        node = nodes[index]
+        first_computed.add(index)
+        if node.kind == "bwd" and node.forward_index not in first_computed:
+            return f"{node.name!r} runs before its forward node was ever computed"
+        if node.kind != "bwd" and partition.programs[index].random:
+            if index < last_random_first[0]:
+                return (f"random node {node.name!r} is first computed out of program order: its RNG draws would "
+                        "differ from plain training")
+            last_random_first[0] = index
+        return None
 
-    in_ram: set[int] = set()
-    on_flash: set[int] = set()
-    computed: set[int] = set()
-    ram_bytes = 0
-    last_random_first = -1
-    for position, ins in enumerate(schedule.instructions):
-        if ins.kind not in INSTRUCTION_KINDS:
-            fail(position, f"unknown instruction kind {ins.kind!r}")
-        if not 0 <= ins.node < len(nodes):
-            fail(position, f"names unknown node {ins.node}; graph {partition.name!r} has nodes 0..{len(nodes) - 1}")
-        if ins.location not in ("ram", "flash"):
-            fail(position, f"unknown location {ins.location!r}")
-        node = nodes[ins.node]
-        if ins.kind == "compute":
-            missing = [nodes[d].name for d in node.deps if d not in in_ram]
-            if missing:
-                fail(position, f"node {node.name!r} needs {missing} in RAM")
-            if ins.node in in_ram:
-                fail(position, f"node {node.name!r} is already in RAM")
-            if node.kind == "bwd" and node.forward_index not in computed:
-                fail(position, f"{node.name!r} runs before its forward node was ever computed")
-            if node.kind != "bwd" and ins.node not in computed and partition.programs[ins.node].random:
-                if ins.node < last_random_first:
-                    fail(position, f"random node {node.name!r} is first computed out of program order: its RNG "
-                         "draws would differ from plain training")
-                last_random_first = ins.node
-            in_ram.add(ins.node)
-            computed.add(ins.node)
-            ram_bytes += node.output_bytes
-        elif ins.kind == "page_out":
-            if ins.node not in in_ram:
-                fail(position, f"cannot page out {node.name!r}: not in RAM")
-            if ins.node in on_flash:
-                fail(position, f"{node.name!r} is already on flash")
-            on_flash.add(ins.node)
-        elif ins.kind == "page_in":
-            if ins.node not in on_flash:
-                fail(position, f"cannot page in {node.name!r}: no copy on flash")
-            if ins.node in in_ram:
-                fail(position, f"{node.name!r} is already in RAM")
-            in_ram.add(ins.node)
-            ram_bytes += node.output_bytes
-        else:
-            where = in_ram if ins.location == "ram" else on_flash
-            if ins.node not in where:
-                fail(position, f"cannot free {node.name!r} from {ins.location}: it is not there")
-            where.discard(ins.node)
-            if ins.location == "ram":
-                ram_bytes -= node.output_bytes
-        if ram_budget_bytes is not None and ram_bytes > ram_budget_bytes * (1 + _RELATIVE_SLACK):
-            fail(position, f"controlled RAM {ram_bytes} bytes exceeds the budget of {ram_budget_bytes:.0f} bytes")
-    never = [n.name for n in nodes if n.index not in computed]
-    if never:
-        raise InvalidScheduleError(f"schedule never computes {len(never)} node(s), e.g. {never[:5]}")
-    if in_ram or on_flash:
-        raise InvalidScheduleError(
-            f"schedule ends with {len(in_ram)} tensor(s) in RAM and {len(on_flash)} on flash: every tensor must be "
-            "freed by the end of the step"
-        )
+    try:
+        replay(nodes, schedule.instructions, graph_label=partition.name, ram_budget_bytes=ram_budget_bytes,
+               on_first_compute=executor_rules)
+    except ReplayError as error:
+        raise InvalidScheduleError(f"schedule {error}") from None
     return _annotate(partition, schedule)
 
 
@@ -378,7 +322,7 @@ class ScheduleExecutor:
                 rss_bytes = self.rss.rss_bytes()
                 rss_peak = max(rss_peak, rss_bytes)
                 if self.enforce_budget and self.ram_budget_bytes and (
-                    self.ram.in_use_bytes > self.ram_budget_bytes * (1 + _RELATIVE_SLACK)
+                    self.ram.in_use_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
                 ):
                     raise BudgetExceededError(
                         f"tracked RAM {self.ram.in_use_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "

@@ -1,21 +1,22 @@
-"""Replay a Schedule against its priced graph, independently of any solver.
+"""Validate a Schedule against its priced graph, independently of any solver.
 
-The validator is the referee: it checks every dependency and the controlled RAM after every
-instruction, and recomputes peak RAM, energy and runtime from the instructions alone.
+The rules are replayed by device_agent.replay (shared with the executor's pre-flight check);
+this module adds the prices: it recomputes peak RAM, energy and runtime from the instructions
+alone and checks both budgets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from device_agent.schedule import INSTRUCTION_KINDS, Schedule
+import numpy as np
+
+from device_agent.replay import RELATIVE_SLACK, ReplayError, check_schedule_matches, replay
+from device_agent.schedule import Schedule
 from host.costs.priced_graph import PricedGraph
 
-# Budgets are compared with a small relative slack: costs are floats summed in different orders.
-_RELATIVE_SLACK = 1e-9
 
-
-class ScheduleValidationError(ValueError):
+class ScheduleValidationError(ReplayError):
     """A schedule that cannot run on its graph, or that breaks its budget."""
 
 
@@ -37,22 +38,10 @@ class ValidationReport:
 
 def check_schedule_matches_graph(schedule: Schedule, priced: PricedGraph) -> None:
     graph = priced.graph
-    if schedule.graph_fingerprint and schedule.graph_fingerprint != graph.fingerprint():
-        raise ScheduleValidationError(
-            f"schedule was solved for graph {schedule.graph_name!r} with fingerprint "
-            f"{schedule.graph_fingerprint}, but this graph ({graph.name!r}) has fingerprint {graph.fingerprint()}: "
-            "the model's trace changed; solve the schedule again for this model"
-        )
-    if schedule.nodes:
-        if len(schedule.nodes) != graph.size:
-            raise ScheduleValidationError(
-                f"schedule lists {len(schedule.nodes)} nodes but graph {graph.name!r} has {graph.size}"
-            )
-        for position, (listed, node) in enumerate(zip(schedule.nodes, graph.nodes, strict=True)):
-            if listed.name != node.name:
-                raise ScheduleValidationError(
-                    f"schedule node {position} is named {listed.name!r}, graph node is {node.name!r}"
-                )
+    try:
+        check_schedule_matches(schedule, graph.fingerprint(), [n.name for n in graph.nodes], graph.name)
+    except ReplayError as error:
+        raise ScheduleValidationError(str(error)) from None
 
 
 def validate_schedule(
@@ -75,93 +64,42 @@ def validate_schedule(
         runtime_budget_s = schedule.runtime_budget_s or None
     if paging_in_runtime is None:
         paging_in_runtime = schedule.paging_in_runtime
+    try:
+        trace = replay(graph.nodes, schedule.instructions, graph_label=graph.name, ram_budget_bytes=ram_budget_bytes)
+    except ReplayError as error:
+        raise ScheduleValidationError(str(error)) from None
 
-    in_ram: set[int] = set()
-    on_flash: set[int] = set()
-    computed_once: set[int] = set()
-    ram_bytes = 0
-    peak_ram_bytes = 0
-    compute_j = paging_j = compute_s = paging_s = 0.0
-    computes = page_ins = page_outs = 0
-    timeline: list[int] = []
-
-    def fail(position: int, message: str) -> None:
-        raise ScheduleValidationError(f"instruction {position} ({schedule.instructions[position]}): {message}")
-
-    for position, ins in enumerate(schedule.instructions):
-        if ins.kind not in INSTRUCTION_KINDS:
-            fail(position, f"unknown instruction kind {ins.kind!r}")
-        if not 0 <= ins.node < graph.size:
-            fail(position, f"names node {ins.node}, but graph {graph.name!r} has nodes 0..{graph.size - 1}")
-        node = graph.nodes[ins.node]
-        if ins.kind == "compute":
-            missing = [graph.nodes[d].name for d in node.deps if d not in in_ram]
-            if missing:
-                fail(position, f"node {node.name!r} needs {missing} in RAM")
-            if ins.node in in_ram:
-                fail(position, f"node {node.name!r} is already in RAM")
-            in_ram.add(ins.node)
-            ram_bytes += node.output_bytes
-            computed_once.add(ins.node)
-            computes += 1
-            compute_j += priced.compute_j[ins.node]
-            compute_s += priced.compute_s[ins.node]
+    size = graph.size
+    computes = np.zeros(size)
+    for node, count in trace.compute_counts.items():
+        computes[node] = count
+    page_ins = np.zeros(size)
+    page_outs = np.zeros(size)
+    for ins in schedule.instructions:
+        if ins.kind == "page_in":
+            page_ins[ins.node] += 1
         elif ins.kind == "page_out":
-            if ins.node not in in_ram:
-                fail(position, f"cannot page out {node.name!r}: not in RAM")
-            if ins.node in on_flash:
-                fail(position, f"{node.name!r} is already on flash")
-            on_flash.add(ins.node)
-            page_outs += 1
-            paging_j += priced.page_out_j[ins.node]
-            paging_s += priced.page_out_s[ins.node]
-        elif ins.kind == "page_in":
-            if ins.node not in on_flash:
-                fail(position, f"cannot page in {node.name!r}: no copy on flash")
-            if ins.node in in_ram:
-                fail(position, f"{node.name!r} is already in RAM")
-            in_ram.add(ins.node)
-            ram_bytes += node.output_bytes
-            page_ins += 1
-            paging_j += priced.page_in_j[ins.node]
-            paging_s += priced.page_in_s[ins.node]
-        else:  # free
-            where = in_ram if ins.location == "ram" else on_flash
-            if ins.node not in where:
-                fail(position, f"cannot free {node.name!r} from {ins.location}: it is not there")
-            where.discard(ins.node)
-            if ins.location == "ram":
-                ram_bytes -= node.output_bytes
-        peak_ram_bytes = max(peak_ram_bytes, ram_bytes)
-        timeline.append(ram_bytes)
-        if ram_budget_bytes is not None and ram_bytes > ram_budget_bytes * (1 + _RELATIVE_SLACK):
-            fail(position, f"controlled RAM {ram_bytes} bytes exceeds the budget of {ram_budget_bytes:.0f} bytes")
-
-    never = [n.name for n in graph.nodes if n.index not in computed_once]
-    if never:
-        raise ScheduleValidationError(f"schedule never computes {len(never)} node(s): {never[:5]}")
-    if in_ram or on_flash:
-        left = sorted(in_ram | on_flash)[:5]
-        raise ScheduleValidationError(
-            f"schedule ends with {len(in_ram)} tensor(s) in RAM and {len(on_flash)} on flash "
-            f"(e.g. nodes {left}); every tensor must be freed by the end of the step"
-        )
+            page_outs[ins.node] += 1
+    compute_j = float(computes @ priced.compute_j)
+    compute_s = float(computes @ priced.compute_s)
+    paging_j = float(page_ins @ priced.page_in_j + page_outs @ priced.page_out_j)
+    paging_s = float(page_ins @ priced.page_in_s + page_outs @ priced.page_out_s)
     runtime_s = compute_s + (paging_s if paging_in_runtime else 0.0)
-    if runtime_budget_s is not None and runtime_s > runtime_budget_s * (1 + _RELATIVE_SLACK):
+    if runtime_budget_s is not None and runtime_s > runtime_budget_s * (1 + RELATIVE_SLACK):
         raise ScheduleValidationError(
             f"predicted runtime {runtime_s:.6g} s exceeds the runtime budget of {runtime_budget_s:.6g} s"
         )
     return ValidationReport(
-        peak_ram_bytes=peak_ram_bytes,
+        peak_ram_bytes=trace.peak_ram_bytes,
         energy_j=compute_j + paging_j,
         compute_j=compute_j,
         paging_j=paging_j,
         compute_s=compute_s,
         paging_s=paging_s,
         runtime_s=runtime_s,
-        computes=computes,
-        recomputes=computes - len(computed_once),
-        page_ins=page_ins,
-        page_outs=page_outs,
-        ram_timeline_bytes=timeline,
+        computes=trace.computes,
+        recomputes=trace.recomputes,
+        page_ins=trace.page_ins,
+        page_outs=trace.page_outs,
+        ram_timeline_bytes=trace.ram_timeline_bytes,
     )

@@ -41,7 +41,7 @@ def test_page_in_needs_a_flash_copy_and_unknown_nodes_are_named():
     priced = price_simply(graph)
     with pytest.raises(ScheduleValidationError, match="no copy on flash"):
         validate_schedule(_schedule(graph, [Instruction("page_in", 0)]), priced)
-    with pytest.raises(ScheduleValidationError, match="names node 99"):
+    with pytest.raises(ScheduleValidationError, match="unknown node 99"):
         validate_schedule(_schedule(graph, [Instruction("compute", 99)]), priced)
 
 
