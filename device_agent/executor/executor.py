@@ -32,7 +32,6 @@ from device_agent.replay import RELATIVE_SLACK, ReplayError, check_schedule_matc
 from device_agent.schedule import Schedule
 
 
-
 class ExecutorError(RuntimeError):
     """The executor cannot run this schedule on this partition."""
 
