@@ -147,7 +147,7 @@ def cmd_profile(args) -> int:
     return EXIT_OK
 
 
-def _solve_options(args, ram_budget_bytes: float):
+def solve_options(args, ram_budget_bytes: float):
     from host.solver.solve import SolveOptions
 
     return SolveOptions(
@@ -157,8 +157,8 @@ def _solve_options(args, ram_budget_bytes: float):
         time_limit_s=args.time_limit,
         paging=not args.no_paging,
         remat=not args.no_remat,
-        paging_in_runtime=args.paging_in_runtime,
-        mip_gap=args.mip_gap,
+        paging_in_runtime=getattr(args, "paging_in_runtime", False),
+        mip_gap=getattr(args, "mip_gap", 1e-3),
     )
 
 
@@ -183,7 +183,7 @@ def cmd_solve(args) -> int:
         print(f"budget    RAM {_format_bytes(budget)} ({100 * budget / peak:.0f}% of the no-remat peak "
               f"{_format_bytes(peak)}); runtime ×{args.runtime_budget}")
     live = _LiveProgress(enabled=not args.json)
-    result = solve_schedule(priced, _solve_options(args, budget), progress=live)
+    result = solve_schedule(priced, solve_options(args, budget), progress=live)
     live.done()
     total_s = time.perf_counter() - started
     schedule, report = result.schedule, result.report

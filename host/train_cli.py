@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from host.cli import EXIT_INFEASIBLE, EXIT_OK, EXIT_TIMEOUT, CliError, _add_model_args, _add_solver_args
+from host.cli import EXIT_INFEASIBLE, EXIT_OK, EXIT_TIMEOUT, CliError, _add_model_args, _add_solver_args, solve_options
 
 EXIT_VERIFY_FAILED = 5  # parameters differ, counters differ from the schedule, or the budget was exceeded
 
@@ -82,7 +82,7 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
     from host.costs import price_graph
     from host.graph.partition import partition_from_traced
     from host.graph.resolve import resolve_model
-    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+    from host.solver.solve import no_remat_peak_bytes, solve_schedule
     from host.solver.validator import ScheduleValidationError, validate_schedule
 
     if args.steps < 1:
@@ -130,14 +130,7 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
             log(f"solving the schedule for {budget:,.0f} bytes ({100 * budget / peak:.0f}% of the no-remat peak)")
             result = solve_schedule(
                 priced,
-                SolveOptions(
-                    ram_budget_bytes=budget,
-                    runtime_factor=args.runtime_budget,
-                    solver=args.solver,
-                    time_limit_s=args.time_limit,
-                    paging=not args.no_paging,
-                    remat=not args.no_remat,
-                ),
+                solve_options(args, budget),
             )
             if result.schedule is None:
                 raise SolveFailedError(result.status, result.message)

@@ -23,7 +23,7 @@ import torch
 
 from device_agent.executor.allocator import malloc_trim
 from device_agent.executor.page_store import FlashPageStore, PageStoreError
-from device_agent.executor.partition import NodeProgram, Partition
+from device_agent.executor.partition import NodeProgram, Partition, unique_by_identity
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.memory import RssSampler
@@ -243,7 +243,7 @@ class ScheduleExecutor:
         self._records: dict[int, _GraphRecord] = {}
         self._rng_states: dict[int, torch.Tensor] = {}
         self._hook_error: BaseException | None = None
-        self._buffers = _unique(b for p in partition.programs.values() for b in p.buffers)
+        self._buffers = unique_by_identity(b for p in partition.programs.values() for b in p.buffers)
         self._buffer_copies = [b.detach().clone() for b in self._buffers]  # for rollback after a failed step
         self._recompute_copies = {  # a recompute restores its program's buffers from these
             index: [b.detach().clone() for b in program.buffers]
@@ -630,16 +630,6 @@ def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: b
         param.grad = grad
     else:
         param.grad.add_(grad)
-
-
-def _unique(tensors) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    result = []
-    for tensor in tensors:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            result.append(tensor)
-    return result
 
 
 def plain_train_step(

@@ -77,3 +77,14 @@ class Partition:
         """The program of fwd/loss node ``index``, or of the node a bwd node differentiates."""
         node = self.nodes[index]
         return self.programs[node.forward_index if node.kind == "bwd" else index]
+
+
+def unique_by_identity(items) -> list:
+    """``items`` without repeats of the same object (tensors compare elementwise, so ``set`` will not do)."""
+    seen: set[int] = set()
+    result = []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            result.append(item)
+    return result

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from device_agent.executor.partition import NodeProgram, Partition, PartitionNode
+from device_agent.executor.partition import NodeProgram, Partition, PartitionNode, unique_by_identity
 from host.graph.trace import TracedModel
 
 
 def partition_from_traced(traced: TracedModel) -> Partition:
     """One NodeProgram per fwd/loss node (the trace's group modules), plus the graph's nodes and fingerprint."""
     gm = traced.graph_module
-    trainable = _unique([p for p in gm.parameters() if p.requires_grad])
+    trainable = unique_by_identity([p for p in gm.parameters() if p.requires_grad])
     buffer_ids = {id(b) for b in gm.buffers()}
     programs: dict[int, NodeProgram] = {}
     for group in traced.groups:
@@ -20,10 +20,10 @@ def partition_from_traced(traced: TracedModel) -> Partition:
             programs[0] = NodeProgram(0, group.name, group.kind, None, group.input_values, group.output_values)
             continue
         module = traced.group_module(group.index)
-        params = _unique(
+        params = unique_by_identity(
             p for name in group.param_names if (p := gm.get_parameter(name)).requires_grad
         )
-        buffers = _unique(t for name in group.buffer_names if id(t := _get_attr(gm, name)) in buffer_ids)
+        buffers = unique_by_identity(t for name in group.buffer_names if id(t := _get_attr(gm, name)) in buffer_ids)
         programs[group.index] = NodeProgram(
             index=group.index,
             name=group.name,
@@ -38,7 +38,7 @@ def partition_from_traced(traced: TracedModel) -> Partition:
             random=_draws_random(module),
             mutates_inputs=_mutates_inputs(module),
         )
-    fixed = _unique(
+    fixed = unique_by_identity(
         [*gm.parameters(), *gm.buffers()]
         + [t for n in gm.graph.nodes if n.op == "get_attr" and isinstance(t := _get_attr(gm, n.target), torch.Tensor)]
     )
@@ -66,16 +66,6 @@ def _get_attr(gm: GraphModule, target: str):
     for part in target.split("."):
         value = getattr(value, part)
     return value
-
-
-def _unique(tensors) -> list:
-    seen: set[int] = set()
-    result = []
-    for tensor in tensors:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            result.append(tensor)
-    return result
 
 
 def _draws_random(module: GraphModule) -> bool:
