@@ -110,7 +110,7 @@ def _own_memory_cgroup() -> tuple[str, int] | str:
 
 
 def _train(cgroup: MemoryCgroup, flash_dir: Path, plain: bool) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "host.train_cli", "train", *TRAIN, "--flash-dir", str(flash_dir),
+    argv = [sys.executable, "-m", "host.cli", "train", *TRAIN, "--flash-dir", str(flash_dir),
             "--cgroup", cgroup.path]
     if plain:
         argv.append("--plain")
