@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 EXIT_OK = 0
+EXIT_INTERNAL = 1  # a solver answer that failed validation (a bug: please report it)
 EXIT_USAGE = 2  # bad input: unknown names, malformed values, impossible budgets
 EXIT_INFEASIBLE = 3
 EXIT_TIMEOUT = 4
@@ -233,7 +234,8 @@ def cmd_solve(args) -> int:
         print(json.dumps(summary))
     else:
         _print_plan(summary, result)
-    return {"optimal": EXIT_OK, "feasible": EXIT_OK, "infeasible": EXIT_INFEASIBLE}.get(result.status, EXIT_TIMEOUT)
+    exit_codes = {"optimal": EXIT_OK, "feasible": EXIT_OK, "infeasible": EXIT_INFEASIBLE, "error": EXIT_INTERNAL}
+    return exit_codes.get(result.status, EXIT_TIMEOUT)
 
 
 def _print_plan(summary: dict, result) -> None:
