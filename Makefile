@@ -23,7 +23,10 @@ demo: setup
 	$(BIN)/poet platforms
 	$(BIN)/poet solve --model resnet18_cifar --platform a72 --ram-budget 50% --runtime-budget 1.2 \
 		--plot $(DEMO_DIR) --out $(DEMO_DIR)/resnet18_cifar_a72.schedule.json
-	# profile this machine, solve at half the no-remat peak, train a few steps with real paging
+	# run the Pi 4 schedule here: 3 real training steps with its page-outs and page-ins to flash
+	$(BIN)/poet train --model resnet18_cifar --platform a72 --ram-budget 50% --flash-dir $(DEMO_DIR) --steps 3 \
+		--schedule $(DEMO_DIR)/resnet18_cifar_a72.schedule.json
+	# profile this machine, solve for it at half the no-remat peak, train: predicted against measured
 	$(BIN)/poet demo --model resnet18_cifar --flash-dir $(DEMO_DIR) --steps 3
 
 test: setup
