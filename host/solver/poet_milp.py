@@ -65,6 +65,32 @@ def useful_mask(graph: TrainingGraph) -> np.ndarray:
     return useful
 
 
+def stage_memory(plan: StagePlan, graph: TrainingGraph, stage: int) -> tuple[float, list[tuple[int, float, list[int]]]]:
+    """The memory model of constraint (5) replayed on a plan for one stage.
+
+    Returns the RAM at the stage's start and, for each node k computed in it (in order), the RAM
+    just after computing k and the inputs of k freed right after (last use in the stage, not kept).
+    """
+    size = graph.size
+    nodes = graph.nodes
+    ram_bytes = float(sum(nodes[i].output_bytes for i in np.flatnonzero(plan.keep_ram[stage, :stage])))
+    computed = [int(k) for k in np.flatnonzero(plan.recompute[stage, : stage + 1])]
+    computed_set = set(computed)
+    start_bytes = ram_bytes
+    events = []
+    for k in computed:
+        ram_bytes += nodes[k].output_bytes
+        freed = [
+            i
+            for i in nodes[k].deps
+            if not (stage + 1 < size and plan.keep_ram[stage + 1, i])
+            and not any(j in computed_set for j in graph.successors[i] if k < j <= stage)
+        ]
+        events.append((k, ram_bytes, freed))
+        ram_bytes -= sum(nodes[i].output_bytes for i in freed)
+    return start_bytes, events
+
+
 @dataclass
 class PoetVariables:
     """Column indices of each decision family, keyed (stage, node); absent keys are fixed to 0."""
@@ -263,25 +289,21 @@ class PoetFormulation:
                         continue  # a flash copy kept where nothing can read it back: dropping it is free
                     return None
                 x[col] = 1.0
-        size = graph.size
-        out_bytes = [n.output_bytes for n in graph.nodes]
-        for t in range(size):
-            running = float(sum(out_bytes[i] for i in range(t) if plan.keep_ram[t, i]))
+        for t in range(graph.size):
+            ram_bytes, events = stage_memory(plan, graph, t)
+            by_position = {k: (after, freed) for k, after, freed in events}
             for k in range(t + 1):
                 if (t, k) not in v.ram:
                     continue
-                if plan.recompute[t, k]:
-                    running += out_bytes[k]
-                x[v.ram[t, k]] = running
-                for i in graph.nodes[k].deps:
-                    col = v.free.get((t, i, k))
-                    if col is None or not plan.recompute[t, k]:
-                        continue
-                    kept = t + 1 < size and plan.keep_ram[t + 1, i]
-                    used_later = any(plan.recompute[t, j] for j in graph.successors[i] if k < j <= t)
-                    if not kept and not used_later:
-                        x[col] = 1.0
-                        running -= out_bytes[i]
+                if k in by_position:
+                    after, freed = by_position[k]
+                    x[v.ram[t, k]] = after
+                    for i in freed:
+                        x[v.free[t, i, k]] = 1.0
+                        after -= graph.nodes[i].output_bytes
+                    ram_bytes = after
+                else:
+                    x[v.ram[t, k]] = ram_bytes
         if self.problem.max_violation(x) > 1e-6 * max(1.0, self.options.ram_budget_bytes):
             return None
         return x

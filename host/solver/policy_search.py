@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from host.costs.priced_graph import PricedGraph
+from host.solver.poet_milp import stage_memory
 from host.solver.stage_plan import StagePlan
 
 KEEP, PAGE, RECOMPUTE, RECOMPUTE_ONCE = "keep", "page", "recompute", "recompute-once"
@@ -50,16 +51,14 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
             if stage in recomputed_at[i]:
                 previous = stage
                 continue
-            if stage == previous + 1 or policy[i] in (KEEP, RECOMPUTE_ONCE):
-                plan.keep_ram[previous + 1 : stage + 1, i] = True
-            elif policy[i] == PAGE:
+            if policy[i] == PAGE and stage > previous + 1:
                 if not paged_out:
                     plan.page_out[previous, i] = True
                     paged_out = True
                 plan.keep_flash[previous + 1 : stage, i] = True
                 plan.page_in[stage - 1, i] = True
                 plan.keep_ram[stage, i] = True
-            else:  # recompute policy but the gap is one stage: keep
+            else:  # kept across the gap (recomputed gaps were handled above)
                 plan.keep_ram[previous + 1 : stage + 1, i] = True
             previous = stage
     # A flash copy lives from its page-out to its last page-in.
@@ -74,26 +73,10 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
 def model_stage_peaks(plan: StagePlan, priced: PricedGraph) -> np.ndarray:
     """Peak RAM per stage under the MILP's memory model (host.solver.poet_milp, constraint 5)."""
     graph = priced.graph
-    size = graph.size
-    out_bytes = np.array([n.output_bytes for n in graph.nodes], dtype=np.float64)
-    successors = graph.successors
-    peaks = np.zeros(size)
-    for t in range(size):
-        running = float(out_bytes[:t][plan.keep_ram[t, :t]].sum())
-        peak = running
-        pending_free = 0.0
-        computed = np.flatnonzero(plan.recompute[t, : t + 1])
-        computed_set = set(int(k) for k in computed)
-        for k in computed:
-            running -= pending_free
-            running += out_bytes[k]
-            peak = max(peak, running)
-            pending_free = 0.0
-            for i in graph.nodes[k].deps:
-                kept = t + 1 < size and plan.keep_ram[t + 1, i]
-                if not kept and not any(j in computed_set for j in successors[i] if k < j <= t):
-                    pending_free += out_bytes[i]
-        peaks[t] = peak
+    peaks = np.zeros(graph.size)
+    for t in range(graph.size):
+        start_bytes, events = stage_memory(plan, graph, t)
+        peaks[t] = max([start_bytes] + [after for _, after, _ in events])
     return peaks
 
 

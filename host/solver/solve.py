@@ -137,8 +137,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         )
 
     # A budget that does not bind: plain training reaches the compute-once lower bound, so it is optimal.
-    keep_all = keep_all_plan(priced.graph)
-    if options.shortcut_non_binding and evaluate_plan(keep_all, priced).peak_ram_bytes <= options.ram_budget_bytes:
+    if options.shortcut_non_binding and no_remat_peak_bytes(priced) <= options.ram_budget_bytes:
+        keep_all = keep_all_plan(priced.graph)
         elapsed = time.perf_counter() - started
         schedule, report = _finish(
             priced, keep_all, options, runtime_budget_s, "optimal", "bound", "keep-all", 0.0, elapsed
