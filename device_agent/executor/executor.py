@@ -155,6 +155,7 @@ class _GraphRecord:
     roots: dict[str, torch.autograd.graph.GradientEdge]  # output value -> edge a gradient enters through
     root_meta: dict[str, tuple[torch.Size, torch.dtype]]
     leaves: dict[str, torch.Tensor]  # grad input value -> hollow leaf whose gradient the bwd node produces
+    pinned_bytes: int = 0  # internals the graph holds itself (NodeProgram.pinned_internals)
 
 
 _ZERO_BY_DTYPE: dict[torch.dtype, torch.Tensor] = {}
@@ -241,6 +242,8 @@ class ScheduleExecutor:
         self.step_index = 0
         self.totals = Counters()
         self._records: dict[int, _GraphRecord] = {}
+        self.pinned_bytes = 0  # pinned internals held by live graphs (fixed bytes, outside the schedule)
+        self.peak_pinned_bytes = 0
         self._rng_states: dict[int, torch.Tensor] = {}
         self._hook_error: BaseException | None = None
         self._buffers = unique_by_identity(b for p in partition.programs.values() for b in p.buffers)
@@ -255,7 +258,7 @@ class ScheduleExecutor:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        self._records.clear()
+        self._drop_records()
         self.ram.clear()
         if self.pages is not None:
             self.pages.close()
@@ -281,7 +284,8 @@ class ScheduleExecutor:
         self._labels = labels
         self.counters = Counters()
         self._rng_states.clear()
-        self._records.clear()
+        self._drop_records()
+        self.peak_pinned_bytes = 0
         self.ram.reset_peak()
         self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
         for param in partition.parameters:
@@ -336,7 +340,7 @@ class ScheduleExecutor:
                 )
             if len(self.ram) or (self.pages is not None and self.pages.nodes()):
                 raise ExecutorError("tensors are left in RAM or on flash at the end of the step")
-            self._records.clear()
+            self._drop_records()
             t0 = time.perf_counter()
             if optimizer is not None:
                 optimizer.step()
@@ -355,6 +359,7 @@ class ScheduleExecutor:
             duration_s=duration_s,
             loss=self._loss,
             peak_tracked_bytes=self.ram.peak_bytes,
+            peak_pinned_bytes=self.peak_pinned_bytes,
             ram_budget_bytes=self.ram_budget_bytes,
             fixed_bytes=int(self.schedule.fixed_bytes),
             computes=counters.computes,
@@ -463,21 +468,35 @@ class ScheduleExecutor:
         roots: dict[str, torch.autograd.graph.GradientEdge] = {}
         root_meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         senders = partition.grad_senders
+        output_keys: set[StorageKey] = set()
         for name, output in zip(program.output_values, outputs, strict=True):
             builder.add_named(name, output.detach())
+            output_keys.add(storage_key(output))
             if op.graph and output.requires_grad and (name in senders or name == partition.loss_value):
                 roots[name] = torch.autograd.graph.get_gradient_edge(output)
                 root_meta[name] = (output.shape, output.dtype)
             if name == partition.loss_value and not op.recompute:
                 self._loss = float(output.detach())
-        for saved in pending:  # internals the backward reads: they belong to this node's entry
+        pinned_bytes = 0
+        if pending and program.pinned_internals:
+            pinned_keys: set[StorageKey] = set()
+            for saved in pending:  # internals stay with the graph (fixed bytes); saved outputs join the entry
+                key = storage_key(saved.tensor)
+                if key is not None and key not in output_keys:
+                    saved.node = None
+                    if key not in pinned_keys:
+                        pinned_keys.add(key)
+                        pinned_bytes += key[1]
+            pending = [saved for saved in pending if saved.node is not None]
+        for saved in pending:  # tensors the backward reads: they belong to this node's entry
             saved.view = builder.add(saved.tensor)
             saved.tensor = None
         del outputs, pending
         if op.graph:
             for leaf in leaves.values():
                 leaf.data = _hollow(leaf)
-            self._records[op.node] = _GraphRecord(roots, root_meta, leaves)
+            self._records[op.node] = _GraphRecord(roots, root_meta, leaves, pinned_bytes)
+            self._pin(pinned_bytes)
         return self.ram.put(builder.build())
 
     def _backward(self, op: _Op) -> int:
@@ -524,7 +543,7 @@ class ScheduleExecutor:
                 raise ExecutorError(f"backward of {program.name!r} failed: {error}") from error
         del grads
         if not op.retain:
-            self._records.pop(program.index, None)
+            self._drop_record(program.index)
         builder = EntryBuilder(op.node)
         leaf_grads = results[: len(leaf_names)] if results else [None] * len(leaf_names)
         for name, grad in zip(leaf_names, leaf_grads, strict=True):
@@ -539,6 +558,19 @@ class ScheduleExecutor:
                 if grad is not None:
                     _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
         return self.ram.put(builder.build())
+
+    def _pin(self, nbytes: int) -> None:
+        self.pinned_bytes += nbytes
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+
+    def _drop_record(self, index: int) -> None:
+        record = self._records.pop(index, None)
+        if record is not None:
+            self.pinned_bytes -= record.pinned_bytes
+
+    def _drop_records(self) -> None:
+        self._records.clear()
+        self.pinned_bytes = 0
 
     def _is_shared(self, grad: torch.Tensor, taken: Counter) -> bool:
         key = storage_key(grad)
@@ -580,7 +612,7 @@ class ScheduleExecutor:
 
     def _abort(self) -> None:
         """After a failure: nothing stays in RAM or on flash, gradients are dropped, buffers restored."""
-        self._records.clear()
+        self._drop_records()
         self.ram.clear()
         if self.pages is not None:
             self.pages.clear()

@@ -41,6 +41,7 @@ class NodeProgram:
     buffers: tuple[torch.Tensor, ...] = ()  # state it may update in place (BatchNorm running stats)
     bwd_index: int | None = None
     grad_input_values: tuple[str, ...] = ()  # inputs whose gradient its backward produces
+    pinned_internals: bool = False  # saved tensors that are not outputs live with the graph, outside the schedule
     random: bool = False  # draws from the global RNG (dropout)
     mutates_inputs: bool = False  # has an in-place op on an input: fed clones
 

@@ -39,6 +39,7 @@ class StepSummary:
     duration_s: float
     loss: float
     peak_tracked_bytes: int
+    peak_pinned_bytes: int  # pinned internals (BatchNorm statistics) held by live graphs; part of fixed_bytes
     ram_budget_bytes: float
     fixed_bytes: int
     computes: int

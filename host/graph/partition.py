@@ -35,6 +35,7 @@ def partition_from_traced(traced: TracedModel) -> Partition:
             buffers=tuple(buffers),
             bwd_index=group.bwd_index,
             grad_input_values=group.grad_input_values,
+            pinned_internals=group.pinned_bytes > 0,
             random=_draws_random(module),
             mutates_inputs=_mutates_inputs(module),
         )

@@ -54,6 +54,13 @@ if TYPE_CHECKING:
 __all__ = ["GRANULARITIES", "NodeGroup", "TraceError", "TracedModel", "trace_model"]
 
 GRANULARITIES: tuple[str, ...] = ("layer", "block", "op")
+# Internals are the tensors a group's backward saves that are not its outputs. When they are at most this
+# fraction of the outputs (BatchNorm's and LayerNorm's mean and 1/std), they are pinned: held from the run
+# whose graph the backward uses until that backward, outside the schedule, and charged to the fixed bytes.
+# The node's schedulable bytes are then its outputs alone, and its backward depends on its own forward node
+# only if it reads those outputs, so (for example) a BatchNorm output can be freed once the ReLU after it has
+# run, as autograd frees it. Larger internals (dropout masks, a block's intermediates) stay in the node.
+PINNED_INTERNALS_MAX_FRACTION = 1 / 8
 INPUT_NODE = "input"
 LOSS_NODE = "loss"
 GROUP_META_KEY = "poet_group"  # fx node meta: index of the group (TrainingGraph node) that runs it
@@ -88,8 +95,9 @@ class NodeGroup:
     buffer_names: tuple[str, ...]  # buffers and lifted tensor constants
     op_class: str = "other"
     flops: int = 0
-    output_bytes: int = 0  # used outputs + tensors autograd saves that were created here
-    saved_bytes: int = 0  # the second part alone
+    output_bytes: int = 0  # used outputs + tensors autograd saves that were created here (unless pinned)
+    saved_bytes: int = 0  # tensors autograd saves that were created here and are not outputs ("internals")
+    pinned_bytes: int = 0  # internals held outside the schedule, as fixed bytes (see PINNED_INTERNALS_MAX_FRACTION)
     bwd_index: int | None = None  # TrainingGraph index of bwd:<name>, None when no gradient is needed
     bwd_flops: int = 0
     bwd_output_bytes: int = 0
@@ -686,10 +694,14 @@ def _measure_backward(
     attr_keys: set[tuple[int, int]],
     receiving: set[str] | None,
     formula_flops: int,
+    *,
+    pin_internals: bool = False,
 ) -> _Backward | None:
     """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient.
 
     ``receiving``: the output values a gradient flows back into (None: all, for the loss).
+    ``pin_internals``: the group's internals are pinned, so only its saved outputs make the backward
+    depend on the group's own node.
     """
     # An in-place op left on an activation (not a buffer update) must not hit a leaf: feed clones then.
     mutates = any(
@@ -747,6 +759,7 @@ def _measure_backward(
             allow_unused=True,
         )
     input_grads = grads[: len(leaves)]
+    output_keys = {k for output in outputs for t in _tensors(output) if (k := _storage_key(t)) is not None}
     saved_groups: list[int] = []
     for tensor in saved:
         key = _storage_key(tensor)
@@ -755,6 +768,8 @@ def _measure_backward(
         source = key_to_value.get(key)
         if source is not None and source not in producer:
             continue  # the labels: fixed bytes
+        if source is None and pin_internals and key not in output_keys:
+            continue  # a pinned internal: not part of the node
         owner = group.index if source is None else producer[source]
         if owner not in saved_groups:
             saved_groups.append(owner)
@@ -895,6 +910,8 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
                 totals[part] += key[1]
         group.output_bytes = totals[0] + totals[1]
         group.saved_bytes = totals[1]
+        if group.index != 0 and 0 < totals[1] <= PINNED_INTERNALS_MAX_FRACTION * totals[0]:
+            group.pinned_bytes = totals[1]  # kept only if the group turns out to have a backward (below)
 
     # ---- backward facts: each group alone, last to first; a group needs a gradient only if one reaches it
     consumers: dict[str, list[int]] = {}
@@ -926,9 +943,15 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
             attr_keys,
             receiving,
             recorder.facts[group.index].formula_flops,
+            pin_internals=group.pinned_bytes > 0,
         )
         if measured is not None:
             backward[group.index] = measured
+    for group in groups:  # pinned internals leave the node's bytes; without a backward nothing is saved
+        if group.index in backward and group.pinned_bytes:
+            group.output_bytes -= group.pinned_bytes
+        else:
+            group.pinned_bytes = 0
 
     # ---- the TrainingGraph
     builder = GraphBuilder(bundle.name)
@@ -960,7 +983,8 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
         param_bytes=trainable_bytes,
         param_grad_bytes=trainable_bytes,
         optimizer_state_bytes=0,
-        other_fixed_bytes=buffer_bytes + frozen_bytes + bundle.labels.numel() * bundle.labels.element_size(),
+        other_fixed_bytes=buffer_bytes + frozen_bytes + bundle.labels.numel() * bundle.labels.element_size()
+        + sum(group.pinned_bytes for group in groups),
     )
     batch_size = int(bundle.inputs[0].shape[0]) if bundle.inputs and bundle.inputs[0].dim() > 0 else None
     graph.meta.update({"source": "trace", "granularity": granularity, "batch_size": batch_size, "model": bundle.name})

@@ -22,6 +22,11 @@ from device_agent.executor import (
     ScheduleMismatchError,
 )
 from device_agent.schedule import Instruction
+from host.costs import load_profile, price_graph
+from host.graph.partition import partition_from_traced
+from host.graph.trace import trace_model
+from host.graph.zoo import get_model_spec
+from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 from tests.device_agent.executor.helpers import (
     case,
     param_diff,
@@ -248,3 +253,37 @@ def test_a_missing_saved_tensor_is_an_error_not_a_silent_recompute(tmp_path):
         with pytest.raises(MissingTensorError, match=repr(nodes[saved_from[0]].name)):
             executor.train_step(current.bundle.inputs, current.bundle.labels)
         assert len(executor.ram) == 0
+
+
+def test_keep_all_forward_holds_what_autograd_saves(tmp_path):
+    """At layer granularity the keep-all schedule holds, at the end of the forward, exactly the activations
+    eager autograd saves: a BatchNorm output is not kept for a backward that never reads it, and the pinned
+    statistics are the only bytes held outside the schedule."""
+    bundle = get_model_spec("resnet18_cifar").bundle(2, seed=0)
+    traced = trace_model(bundle, granularity="layer")
+    priced = price_graph(traced.graph, load_profile("a72"))
+    schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
+    events = EventStream()
+    with ScheduleExecutor(partition_from_traced(traced), schedule, events=events) as executor:
+        executor.train_step(bundle.inputs, bundle.labels)
+        pinned = executor.peak_pinned_bytes
+    instructions = events.instructions()
+    first_backward = next(i for i, e in enumerate(instructions) if e.node_kind == "bwd")
+    held_after_forward = instructions[first_backward - 1].ram_in_use_bytes
+
+    plain = get_model_spec("resnet18_cifar").bundle(2, seed=0)
+    fixed = {t.untyped_storage().data_ptr() for t in (*plain.module.parameters(), *plain.module.buffers(), plain.labels)}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in fixed:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        plain.loss_fn(plain.module(*plain.inputs), plain.labels)
+    assert pinned > 0
+    loss_scalar_bytes = 4  # the loss node also holds its output, the float32 loss
+    assert held_after_forward + pinned == sum(saved.values()) + loss_scalar_bytes
+    assert sum(g.pinned_bytes for g in traced.groups) == pinned

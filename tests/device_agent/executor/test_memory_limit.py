@@ -12,9 +12,9 @@ board (cgroup v2; on v1 use /sys/fs/cgroup/memory/poet and memory.limit_in_bytes
     sudo mkdir /sys/fs/cgroup/poet
     echo 300M | sudo tee /sys/fs/cgroup/poet/memory.max
     echo 0 | sudo tee /sys/fs/cgroup/poet/memory.swap.max
-    poet train --model resnet18_cifar --batch-size 256 --platform local --ram-budget 25% --no-remat \\
+    poet train --model resnet18_cifar --batch-size 256 --platform local --ram-budget 35% --no-remat \\
         --flash-dir /mnt/flash --steps 2 --cgroup /sys/fs/cgroup/poet           # completes
-    poet train --model resnet18_cifar --batch-size 256 --platform local --ram-budget 25% \\
+    poet train --model resnet18_cifar --batch-size 256 --platform local --ram-budget 35% \\
         --steps 2 --plain --cgroup /sys/fs/cgroup/poet                          # killed (exit 137)
 
 Pick the limit between the two runs' peaks (``memory.peak`` / ``memory.max_usage_in_bytes`` of an
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-TRAIN = ["--model", "resnet18_cifar", "--batch-size", "256", "--platform", "a72", "--ram-budget", "25%",
+TRAIN = ["--model", "resnet18_cifar", "--batch-size", "256", "--platform", "a72", "--ram-budget", "35%",
          "--no-remat", "--steps", "2", "--threads", "2", "--json"]
 MIN_GAP_BYTES = 100 << 20  # the two peaks must be this far apart for the limit to separate them
 

@@ -156,8 +156,12 @@ def test_linear_flops_and_bytes(residual):
     assert relu.flops == BATCH * 128 and relu.op_class == "elementwise"
     assert graph.nodes[graph.index_of("bwd:act")].flops == 2 * relu.flops  # formula fallback
     bn = graph.nodes[graph.index_of("bn")]
-    assert bn.op_class == "norm" and bn.output_bytes > BATCH * 4 * 4 * 4 * 4  # + saved mean / inv-std
-    assert traced.group_named("bn").saved_bytes > 0
+    assert bn.op_class == "norm" and bn.output_bytes == BATCH * 4 * 4 * 4 * 4  # its output alone:
+    group = traced.group_named("bn")  # the saved mean / inv-std are pinned (fixed bytes), not part of the node
+    assert group.saved_bytes == group.pinned_bytes == 2 * 4 * 4
+    # BatchNorm's backward reads its input and the pinned statistics, never its output: as in autograd, the
+    # output can be freed once the next layer has run.
+    assert _deps(graph, "bwd:bn") == {"bwd:relu", "conv"}
 
 
 def test_fixed_bytes(residual):
@@ -167,7 +171,9 @@ def test_fixed_bytes(residual):
     buffers = sum(b.numel() * b.element_size() for b in bundle.module.buffers())
     assert graph.param_bytes == graph.param_grad_bytes == params
     assert graph.optimizer_state_bytes == 0
-    assert graph.other_fixed_bytes == buffers + BATCH * 8
+    pinned = sum(g.pinned_bytes for g in traced.groups)
+    assert pinned > 0
+    assert graph.other_fixed_bytes == buffers + BATCH * 8 + pinned
 
 
 def test_groups_describe_runnable_pieces(residual):
