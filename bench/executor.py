@@ -6,11 +6,13 @@
    torch.utils.checkpoint (checkpoint_sequential with k segments, and per-block checkpointing).
    Every configuration runs in its own process, twice: once for time and energy (normal allocator),
    once for the peak, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once and the
-   RSS high-water mark is the live-memory peak for every method alike.
+   RSS high-water mark is the live-memory peak for every method alike. POET's schedule is solved on the
+   quick local profile fitted to the executor's telemetry of this model first (``host.calibrate``: a
+   keep-all run and a paging run, 4 steps each); ``--no-calibrate`` solves on the quick profile as is.
 
     python bench/executor.py [--model resnet18_cifar] [--batch-size 64] [--threads 1] [--flash-dir DIR]
 
-Part 1 runs under two allocator settings: glibc's default, and glibc keeping freed memory for reuse
+Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's default, and glibc keeping freed memory for reuse
 (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), which separates the executor's own cost
 from page faults caused by memory going back to the OS and returning.
 
@@ -50,7 +52,7 @@ def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list
 
     rows = []
     spec = get_model_spec(model)
-    for granularity, depth in (("layer", 1), ("block", 2)):
+    for granularity, depth in (("layer", 1), ("block", 2), ("block", 1)):
         scheduled = spec.bundle(batch_size, seed=0)
         plain = spec.bundle(batch_size, seed=0)
         traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
@@ -72,13 +74,16 @@ def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list
                     times_s["plain"].append(plain_s)
         plain_s = statistics.median(times_s["plain"])
         schedule_s = statistics.median(times_s["schedule"])
+        paired = sorted(a / b for a, b in zip(times_s["schedule"], times_s["plain"], strict=True))
         rows.append({
             "granularity": granularity if granularity == "layer" else f"block:{depth}",
             "nodes": traced.graph.size,
             "instructions": len(schedule.instructions),
             "plain_s": plain_s,
             "schedule_s": schedule_s,
-            "ratio": schedule_s / plain_s,
+            "ratio": statistics.median(paired),  # median over steps of schedule/plain, each pair back to back
+            "ratio_q1": paired[len(paired) // 4],
+            "ratio_q3": paired[(3 * len(paired)) // 4],
         })
     return rows
 
@@ -179,6 +184,27 @@ def _spawn(config: dict, measure_peak: bool = False, mode: str = "--run", alloca
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _calibrated(profile, resolved, args):
+    """``profile`` fitted to the executor's telemetry of a keep-all run (and a paging one) of this model."""
+    from device_agent.executor import EventStream, ScheduleExecutor
+    from host.calibrate import calibrate_profile
+    from host.costs import price_graph
+    from host.graph.partition import partition_from_traced
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    priced = price_graph(resolved.graph, profile)
+    peak = no_remat_peak_bytes(priced)
+    events = EventStream()
+    bundle = resolved.bundle
+    for options in (SolveOptions(ram_budget_bytes=peak), SolveOptions(ram_budget_bytes=0.6 * peak, remat=False)):
+        schedule = solve_schedule(priced, options).schedule
+        with ScheduleExecutor(partition_from_traced(resolved.traced), schedule, flash_dir=args.flash_dir,
+                              events=events) as executor:
+            for _ in range(4):
+                executor.train_step(bundle.inputs, bundle.labels)
+    return calibrate_profile(profile, resolved.graph, events.instructions())
+
+
 def budget_rows(args) -> tuple[dict, list[dict]]:
     from device_agent.serde import write_schedule_file
     from host.costs import price_graph
@@ -187,8 +213,9 @@ def budget_rows(args) -> tuple[dict, list[dict]]:
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
     torch.set_num_threads(args.threads)
-    profile = profile_local_machine(args.flash_dir, quick=True)
+    measured_profile = profile_local_machine(args.flash_dir, quick=True)
     resolved = resolve_model(args.model, batch_size=args.batch_size)
+    profile = _calibrated(measured_profile, resolved, args) if args.calibrate else measured_profile
     priced = price_graph(resolved.graph, profile)
     peak = no_remat_peak_bytes(priced)
     budget = 0.5 * peak
@@ -217,6 +244,7 @@ def budget_rows(args) -> tuple[dict, list[dict]]:
     os.rmdir(os.path.dirname(schedule_file))
     counts = result.schedule.counts()
     info = {"no_remat_peak_bytes": peak, "budget_bytes": budget, "status": result.status, "gap": result.gap,
+            "calibrated": args.calibrate,
             "predicted": result.schedule.prediction, "counts": counts, "profile": profile}
     return info, rows
 
@@ -230,8 +258,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
     parser.add_argument("--flash-dir", default=".")
     parser.add_argument("--overhead-batch-size", type=int, default=128, help="batch of part 1 (default 128)")
+    parser.add_argument("--overhead-steps", type=int, default=20, help="timed steps of part 1 (default 20)")
     parser.add_argument("--runtime-budget", type=float, default=2.0, help="runtime factor of the solve (default 2)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="solver time limit, seconds")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="solve part 2 on the quick local profile as measured, without fitting it to the "
+                             "executor's telemetry first")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -245,20 +277,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# Executor benchmark: {args.model}, {args.threads} torch thread(s), torch {torch.__version__}")
     print(f"\n## 1. No memory pressure: keep-all schedule against plain PyTorch, batch {args.overhead_batch_size} "
-          f"(one process per allocator setting, the two interleaved, median of {args.steps} steps)\n")
+          f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
+          "ratio: median of the per-step ratios, with its quartiles)\n")
     print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
-          f"{'POET s/step':>12} {'ratio':>6}")
+          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12}")
     for allocator in ("glibc default", "glibc keeps freed memory"):
-        config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.steps,
+        config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.overhead_steps,
                   "threads": args.threads}
         for row in _spawn(config, mode="--run-overhead", allocator=allocator):
             print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
-                  f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f}")
+                  f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
+                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f}")
 
     info, rows = budget_rows(args)
     predicted = info["predicted"]
     print(f"\n## 2. Batch {args.batch_size}, at 50% of the no-remat peak ({info['budget_bytes'] / 1e6:.1f} MB of "
-          f"{info['no_remat_peak_bytes'] / 1e6:.1f} MB), layer granularity, profile of this machine (quick)\n")
+          f"{info['no_remat_peak_bytes'] / 1e6:.1f} MB), layer granularity, profile of this machine (quick"
+          f"{', calibrated on executor telemetry of this model' if info['calibrated'] else ''})\n")
     gap = f", gap {100 * info['gap']:.1f}%" if info["gap"] else ""
     print(f"POET schedule ({info['status']}{gap}, runtime factor {args.runtime_budget}): "
           f"{info['counts']['recomputes']} recomputes, "
@@ -280,6 +315,11 @@ def main() -> None:
               f"{best['energy_j'] / poet['energy_j']:.2f}x POET's energy, {best['step_s'] / poet['step_s']:.2f}x its time")
     else:
         print("\nno checkpointing configuration used as much memory as POET's schedule")
+    checkpoints = [r for r in rows if "checkpoint" in r["method"]]
+    nearest = min(checkpoints, key=lambda r: abs(r["peak_rss_delta_bytes"] - poet["peak_rss_delta_bytes"]))
+    print(f"nearest in memory: {nearest['method']} at {nearest['peak_rss_delta_bytes'] / 1e6:.1f} MB "
+          f"(POET {poet['peak_rss_delta_bytes'] / 1e6:.1f} MB): {nearest['energy_j'] / poet['energy_j']:.2f}x POET's "
+          f"energy, {nearest['step_s'] / poet['step_s']:.2f}x its time")
     print("note: torch.utils.checkpoint recomputes BatchNorm forwards and so moves the running statistics twice "
           "per step; POET's recomputations do not.")
 

@@ -1,0 +1,85 @@
+"""Calibration from executor telemetry: fitted profiles price what the executor measured."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from device_agent.executor import EventStream, ScheduleExecutor
+from host.calibrate import CalibrationError, calibrate_profile
+from host.costs import load_profile, price_graph
+from host.graph.partition import partition_from_traced
+from host.graph.trace import trace_model
+from host.graph.zoo import get_model_spec
+from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """mlp (batch 64), a schedule that pages, 4 steps of telemetry."""
+    torch.manual_seed(0)
+    bundle = get_model_spec("mlp").bundle(64, seed=0)
+    traced = trace_model(bundle, granularity="layer")
+    priced = price_graph(traced.graph, load_profile("m0"))
+    budget = 0.7 * no_remat_peak_bytes(priced)
+    schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, remat=False, time_limit_s=30)).schedule
+    assert schedule.counts()["page_outs"] > 0
+    events = EventStream()
+    flash = tmp_path_factory.mktemp("flash")
+    with ScheduleExecutor(partition_from_traced(traced), schedule, flash_dir=str(flash), events=events) as executor:
+        for _ in range(4):
+            executor.train_step(bundle.inputs, bundle.labels)
+    return traced.graph, events.instructions()
+
+
+def _forward_seconds(profile, graph, events) -> tuple[float, float]:
+    """(predicted, measured) seconds of the forward computes in ``events``."""
+    predicted = measured = 0.0
+    for event in events:
+        node = graph.nodes[event.node]
+        if event.kind == "compute" and node.kind != "bwd" and node.flops > 0:
+            predicted += node.flops / profile.flops_per_s_for(node.op_class)
+            measured += event.duration_s
+    return predicted, measured
+
+
+def test_calibrated_rates_price_the_measured_forward(measured):
+    graph, events = measured
+    wrong = load_profile("m0")  # a Cortex-M0's rates: orders of magnitude off for this machine
+    fit_events = [e for e in events if e.step < 3]
+    held_out = [e for e in events if e.step == 3]
+    calibrated = calibrate_profile(wrong, graph, fit_events)
+    predicted, actual = _forward_seconds(calibrated, graph, held_out)
+    before, _ = _forward_seconds(wrong, graph, held_out)
+    assert abs(predicted / actual - 1) < abs(before / actual - 1)
+    assert 0.2 < predicted / actual < 5  # a different step of the same model: same rates, some noise
+    assert "calibrated from executor telemetry" in calibrated.sources["compute.flops_per_s.matmul"]
+    assert calibrated.path is None
+
+
+def test_paging_costs_scale_to_the_measured_transfers(measured):
+    graph, events = measured
+    profile = load_profile("m0")
+    calibrated = calibrate_profile(profile, graph, events)
+    for kind in ("page_in", "page_out"):
+        transfers = [e for e in events if e.kind == kind and e.step >= 1]
+        assert transfers
+        latency = getattr(calibrated, f"{kind}_latency_s")
+        throughput = getattr(calibrated, f"{kind}_throughput_bytes_per_s")
+        predicted = sum(latency + e.bytes_moved / throughput for e in transfers)
+        assert predicted == pytest.approx(sum(e.duration_s for e in transfers), rel=1e-9)
+
+
+def test_events_of_another_graph_are_rejected(measured):
+    graph, events = measured
+    renamed = [dataclasses.replace(e, node_name="not-" + e.node_name) for e in events]
+    with pytest.raises(CalibrationError, match="does not match graph"):
+        calibrate_profile(load_profile("m0"), graph, renamed)
+
+
+def test_warm_up_only_telemetry_is_rejected(measured):
+    graph, events = measured
+    with pytest.raises(CalibrationError, match="train more steps"):
+        calibrate_profile(load_profile("m0"), graph, [e for e in events if e.step == 0])
