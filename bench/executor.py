@@ -4,17 +4,19 @@
    in one process with the two interleaved (target ratio <= 1.05).
 2. At 50% of the no-remat peak: energy, time and measured peak of POET's schedule against
    torch.utils.checkpoint (checkpoint_sequential with k segments, and per-block checkpointing).
-   Every configuration runs in its own process, twice: once for time and energy (normal allocator),
-   once for the peak, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once and the
+   Time and energy: all methods in one process, their steps interleaved (so drift on a shared machine
+   hits them alike), with freed memory kept for reuse as ``poet train`` does. Peak: each method alone
+   in its own process, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once and the
    RSS high-water mark is the live-memory peak for every method alike. POET's schedule is solved on the
    quick local profile fitted to the executor's telemetry of this model first (``host.calibrate``: a
    keep-all run and a paging run, 4 steps each); ``--no-calibrate`` solves on the quick profile as is.
 
     python bench/executor.py [--model resnet18_cifar] [--batch-size 64] [--threads 1] [--flash-dir DIR]
 
-Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's default, and glibc keeping freed memory for reuse
-(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), which separates the executor's own cost
-from page faults caused by memory going back to the OS and returning.
+Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's
+default, and glibc keeping freed memory for reuse (``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_``, what ``poet train`` sets by default), which separates the executor's own
+cost from page faults caused by memory going back to the OS and returning.
 
 Energy is modelled (process CPU time x assumed power, ``modelled:cpu-time×power``), not measured.
 """
@@ -105,66 +107,97 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
-def run_one(config: dict) -> dict:
-    """Train ``steps`` steps with one method; report median step time, energy and peaks (JSON on stdout)."""
-    from device_agent.executor import ScheduleExecutor, plain_train_step
-    from device_agent.executor.allocator import release_free_memory
-    from device_agent.meters.memory import PeakRssSampler
-    from device_agent.meters.modelled import ModelledEnergyMeter
-    from device_agent.serde import read_schedule_file
-    from host.graph.partition import partition_from_traced
-    from host.graph.trace import trace_model
-    from host.graph.zoo import get_model_spec
+class _Method:
+    """One training method on its own copy of the model: ``step()`` trains one step, returns paging seconds."""
 
-    torch.set_num_threads(config["threads"])
-    bundle = get_model_spec(config["model"]).bundle(config["batch_size"], seed=0)
-    optimizer = torch.optim.SGD(bundle.module.parameters(), lr=0.01, momentum=0.9)
-    meter = ModelledEnergyMeter(config["compute_power_w"], config["memory_power_w"], config["threads"])
-    method = config["method"]
-    executor = None
-    sequential = _sequential(bundle.module)
-    per_block = torch.nn.Sequential(*[_Checkpointed(m) for m in sequential])
-    if method == "poet":
-        traced = trace_model(bundle, granularity="layer")
-        executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(config["schedule"]),
-                                    flash_dir=config["flash_dir"], energy_meter=meter)
+    def __init__(self, config: dict, method: dict, meter) -> None:
+        from device_agent.executor import ScheduleExecutor, plain_train_step
+        from device_agent.serde import read_schedule_file
+        from host.graph.partition import partition_from_traced
+        from host.graph.trace import trace_model
+        from host.graph.zoo import get_model_spec
 
-    def step() -> float:
-        """One training step; returns the seconds spent paging."""
-        if executor is not None:
-            return executor.train_step(bundle.inputs, bundle.labels, optimizer).summary.paging_s
-        if method == "plain":  # the reference: the zoo module itself, eagerly
-            plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
+        self.bundle = bundle = get_model_spec(config["model"]).bundle(config["batch_size"], seed=0)
+        self.optimizer = torch.optim.SGD(bundle.module.parameters(), lr=0.01, momentum=0.9)
+        self.kind = method["method"]
+        self.segments = method.get("segments")
+        self.executor = None
+        self.sequential = _sequential(bundle.module)
+        self.per_block = torch.nn.Sequential(*[_Checkpointed(m) for m in self.sequential])
+        self._plain_step = plain_train_step
+        if self.kind == "poet":
+            traced = trace_model(bundle, granularity="layer")
+            self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(config["schedule"]),
+                                             flash_dir=config["flash_dir"], energy_meter=meter)
+
+    def step(self) -> float:
+        bundle, optimizer = self.bundle, self.optimizer
+        if self.executor is not None:
+            return self.executor.train_step(bundle.inputs, bundle.labels, optimizer).summary.paging_s
+        if self.kind == "plain":  # the reference: the zoo module itself, eagerly
+            self._plain_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
             return 0.0
         optimizer.zero_grad(set_to_none=True)
         x = bundle.inputs[0]
-        if method == "per_block":
-            output = per_block(x)
+        if self.kind == "per_block":
+            output = self.per_block(x)
         else:
-            output = checkpoint_sequential(sequential, config["segments"], x, use_reentrant=False)
+            output = checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)
         bundle.loss_fn(output, bundle.labels).backward()
         optimizer.step()
         return 0.0
 
-    step()  # warm-up
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+
+
+def _meter(config: dict):
+    from device_agent.meters.modelled import ModelledEnergyMeter
+
+    return ModelledEnergyMeter(config["compute_power_w"], config["memory_power_w"], config["threads"])
+
+
+def run_timed(config: dict) -> list[dict]:
+    """Every method in this one process, their steps interleaved: median step time and energy per method."""
+    torch.set_num_threads(config["threads"])
+    meter = _meter(config)
+    methods = [_Method(config, method, meter) for method in config["methods"]]
+    for method in methods:
+        method.step()  # warm-up
+    times_s: list[list[float]] = [[] for _ in methods]
+    energies_j: list[list[float]] = [[] for _ in methods]
+    for _ in range(config["steps"]):
+        for method, times, energies in zip(methods, times_s, energies_j, strict=True):
+            start = meter.read()
+            paging_s = method.step()
+            end = meter.read()
+            times.append(end.wall_s - start.wall_s)
+            energies.append(meter.energy_j(start, end, paging_s)[0])
+    results = []
+    for method, times, energies in zip(methods, times_s, energies_j, strict=True):
+        result = {"step_s": statistics.median(times), "energy_j": statistics.median(energies)}
+        if method.executor is not None:
+            result["peak_tracked_bytes"] = method.executor.ram.peak_bytes
+        method.close()
+        results.append(result)
+    return results
+
+
+def run_peak(config: dict) -> dict:
+    """One method alone in this process: the RSS high-water mark of its steps above the step-start RSS."""
+    from device_agent.executor.allocator import release_free_memory
+    from device_agent.meters.memory import PeakRssSampler
+
+    torch.set_num_threads(config["threads"])
+    method = _Method(config, config["methods"][0], _meter(config))
+    method.step()  # warm-up
     release_free_memory()
-    times_s, energies_j = [], []
     with PeakRssSampler() as peak:
         for _ in range(config["steps"]):
-            start = meter.read()
-            paging_s = step()
-            end = meter.read()
-            times_s.append(end.wall_s - start.wall_s)
-            energies_j.append(meter.energy_j(start, end, paging_s)[0])
-    result = {
-        "step_s": statistics.median(times_s),
-        "energy_j": statistics.median(energies_j),
-        "peak_rss_delta_bytes": peak.peak_bytes - peak.start_bytes,
-    }
-    if executor is not None:
-        result["peak_tracked_bytes"] = executor.ram.peak_bytes
-        executor.close()
-    return result
+            method.step()
+    method.close()
+    return {"peak_rss_delta_bytes": peak.peak_bytes - peak.start_bytes}
 
 
 ALLOCATORS = {
@@ -174,13 +207,13 @@ ALLOCATORS = {
 }
 
 
-def _spawn(config: dict, measure_peak: bool = False, mode: str = "--run", allocator: str = "glibc default"):
+def _spawn(config: dict, mode: str, allocator: str = "glibc default"):
     env = dict(os.environ)
-    env.update(ALLOCATORS["returns freed memory at once" if measure_peak else allocator])
+    env.update(ALLOCATORS[allocator])
     out = subprocess.run([sys.executable, __file__, mode, json.dumps(config)], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=1800)
+                         env=env, cwd=REPO, timeout=3600)
     if out.returncode != 0:
-        raise RuntimeError(f"{config['method']} run failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{mode} {config.get('methods', '')} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -196,7 +229,8 @@ def _calibrated(profile, resolved, args):
     peak = no_remat_peak_bytes(priced)
     events = EventStream()
     bundle = resolved.bundle
-    for options in (SolveOptions(ram_budget_bytes=peak), SolveOptions(ram_budget_bytes=0.6 * peak, remat=False)):
+    for options in (SolveOptions(ram_budget_bytes=peak),
+                    SolveOptions(ram_budget_bytes=0.6 * peak, remat=False, time_limit_s=30)):
         schedule = solve_schedule(priced, options).schedule
         with ScheduleExecutor(partition_from_traced(resolved.traced), schedule, flash_dir=args.flash_dir,
                               events=events) as executor:
@@ -233,13 +267,12 @@ def budget_rows(args) -> tuple[dict, list[dict]]:
     methods = [("plain (no recomputation)", {"method": "plain"}), ("POET", {"method": "poet"})]
     methods += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}) for k in (2, 3, 4, 6)]
     methods += [("per-block checkpoint", {"method": "per_block"})]
+    timed = _spawn({**common, "methods": [extra for _, extra in methods]}, "--run-timed",
+                   allocator="glibc keeps freed memory")
     rows = []
-    for label, extra in methods:
-        config = {**common, **extra}
-        timed = _spawn(config, measure_peak=False)
-        peaked = _spawn(config, measure_peak=True)
-        rows.append({"method": label, **timed, "peak_rss_delta_bytes": peaked["peak_rss_delta_bytes"],
-                     "peak_tracked_bytes": timed.get("peak_tracked_bytes")})
+    for (label, extra), timing in zip(methods, timed, strict=True):
+        peaked = _spawn({**common, "methods": [extra]}, "--run-peak", allocator="returns freed memory at once")
+        rows.append({"method": label, **timing, "peak_rss_delta_bytes": peaked["peak_rss_delta_bytes"]})
     os.unlink(schedule_file)
     os.rmdir(os.path.dirname(schedule_file))
     counts = result.schedule.counts()
@@ -254,7 +287,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18_cifar")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method in part 2 (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
     parser.add_argument("--flash-dir", default=".")
     parser.add_argument("--overhead-batch-size", type=int, default=128, help="batch of part 1 (default 128)")
@@ -264,11 +297,15 @@ def main() -> None:
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="solve part 2 on the quick local profile as measured, without fitting it to the "
                              "executor's telemetry first")
-    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--run-timed", help=argparse.SUPPRESS)
+    parser.add_argument("--run-peak", help=argparse.SUPPRESS)
     parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.run:
-        print(json.dumps(run_one(json.loads(args.run))))
+    if args.run_timed:
+        print(json.dumps(run_timed(json.loads(args.run_timed))))
+        return
+    if args.run_peak:
+        print(json.dumps(run_peak(json.loads(args.run_peak))))
         return
     if args.run_overhead:
         config = json.loads(args.run_overhead)

@@ -151,8 +151,8 @@ def prepare(args, log=lambda message: None, *, need_schedule: bool = True) -> Pr
 
 def _allocator_mode(args) -> str:
     mode = getattr(args, "allocator", None)
-    if mode is None:
-        return "return" if getattr(args, "cgroup", None) else "default"
+    if mode is None:  # a training loop reallocates the same sizes every step: keep them, as torch's GPU caches do
+        return "return" if getattr(args, "cgroup", None) else "keep"
     return mode
 
 
@@ -576,8 +576,9 @@ def add_train_commands(subparsers) -> None:
         parser.add_argument("--seed", type=int, default=0, help="seed of weights, batch and RNG (default 0)")
         parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
         parser.add_argument("--allocator", choices=["default", "keep", "return"], default=None,
-                            help="freed memory: glibc's default; keep it for reuse (fastest); or return it to the "
-                                 "OS after every free so RSS follows the schedule (default with --cgroup)")
+                            help="freed memory: keep it for reuse (the default: fastest, RSS stays at its high-water "
+                                 "mark); glibc's default heuristics; or return it to the OS after every free so RSS "
+                                 "follows the schedule (the default with --cgroup)")
         parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     train = subparsers.add_parser("train", help="train a model locally under its POET schedule, with real paging")

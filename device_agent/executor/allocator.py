@@ -2,8 +2,8 @@
 
 * ``default``: glibc's own heuristics. Large blocks freed mid-step may go back to the OS and be
   faulted in again on the next allocation, which costs time.
-* ``keep``: freed memory stays in the process for reuse (no trimming, no mmap for large blocks): the
-  fastest, RSS stays at its high-water mark.
+* ``keep`` (what ``poet train`` uses unless told otherwise): freed memory stays in the process for
+  reuse (no trimming, no mmap for large blocks): the fastest, RSS stays at its high-water mark.
 * ``return``: the executor calls ``malloc_trim`` after every free, so RSS follows the schedule's
   tracked RAM closely (what a hard memory limit needs); slower.
 

@@ -8,6 +8,7 @@ storage, so a storage shared by several tensors or entries is counted once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -31,9 +32,11 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-@dataclass(frozen=True)
-class TensorView:
-    """Where a tensor lives inside an entry: storage index, dtype, shape, stride and offset (in elements)."""
+class TensorView(NamedTuple):
+    """Where a tensor lives inside an entry: storage index, dtype, shape, stride and offset (in elements).
+
+    A NamedTuple, not a dataclass: one is made for every tensor of every instruction, and this is cheaper.
+    """
 
     storage_index: int
     dtype: torch.dtype
