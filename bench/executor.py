@@ -42,9 +42,57 @@ if str(REPO) not in sys.path:
 
 
 # ----------------------------------------------------------------------------- part 1: overhead
+def _per_node_autograd_step(partition, inputs, labels, optimizer) -> None:
+    """The floor of running a model node by node: the partition's programs, each output detached into a new
+    leaf and each node differentiated by its own ``torch.autograd.grad`` call, as the executor does, but
+    with no RAM store, saved-tensor hooks, telemetry or checks. Autograd keeps what it saves itself."""
+    env = dict(zip(partition.batch_values, inputs, strict=True))
+    env[partition.label_value] = labels
+    programs = [p for i, p in sorted(partition.programs.items()) if p.run is not None]
+    last_read = {v: i for i, program in enumerate(programs) for v in program.input_values}
+    optimizer.zero_grad(set_to_none=True)
+    graphs = []
+    for i, program in enumerate(programs):
+        leaves = {}
+        fed = []
+        for value in program.input_values:
+            tensor = env[value]
+            if program.bwd_index is not None and value in program.grad_input_values:
+                tensor = leaves[value] = tensor.detach().requires_grad_(True)
+            fed.append(tensor)
+        with torch.enable_grad():
+            outputs = dict(zip(program.output_values, program.run(*fed), strict=True))
+        for value in program.input_values:
+            if last_read.get(value) == i:
+                env.pop(value, None)
+        env.update((name, output.detach()) for name, output in outputs.items())
+        if program.bwd_index is not None:
+            graphs.append((program, leaves, outputs))
+    grads = {partition.loss_value: torch.ones(())}
+    while graphs:
+        program, leaves, outputs = graphs.pop()
+        roots = [(outputs[name], grads.pop(name)) for name in outputs if name in grads and outputs[name].requires_grad]
+        if not roots:
+            continue
+        results = torch.autograd.grad([r for r, _ in roots], [*leaves.values(), *program.params],
+                                      grad_outputs=[g for _, g in roots], allow_unused=True)
+        for name, grad in zip(leaves, results, strict=False):
+            if grad is not None:
+                grads[name] = grads[name] + grad if name in grads else grad
+        for param, grad in zip(program.params, results[len(leaves):], strict=True):
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+    optimizer.step()
+
+
 def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list[dict]:
-    """Keep-all schedule against plain PyTorch, interleaved in one process, per granularity."""
+    """Keep-all schedule against plain PyTorch (and the per-node floor), interleaved in one process, per granularity."""
     torch.set_num_threads(threads)
+    return [_overhead_row(model, granularity, depth, batch_size, steps)
+            for granularity, depth in (("layer", 1), ("block", 2), ("block", 1))]
+
+
+def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, steps: int) -> dict:
     from device_agent.executor import ScheduleExecutor, plain_train_step
     from host.costs import load_profile, price_graph
     from host.graph.partition import partition_from_traced
@@ -52,42 +100,40 @@ def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list
     from host.graph.zoo import get_model_spec
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
-    rows = []
     spec = get_model_spec(model)
-    for granularity, depth in (("layer", 1), ("block", 2), ("block", 1)):
-        scheduled = spec.bundle(batch_size, seed=0)
-        plain = spec.bundle(batch_size, seed=0)
-        traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
-        priced = price_graph(traced.graph, load_profile("a72"))
-        schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
-        sgd_a = torch.optim.SGD(scheduled.module.parameters(), lr=0.01, momentum=0.9)
-        sgd_b = torch.optim.SGD(plain.module.parameters(), lr=0.01, momentum=0.9)
-        times_s: dict[str, list[float]] = {"schedule": [], "plain": []}
-        with ScheduleExecutor(partition_from_traced(traced), schedule) as executor:
-            for step in range(steps + 2):  # interleaved; the first two of each are warm-up
+    scheduled, plain, floor = (spec.bundle(batch_size, seed=0) for _ in range(3))
+    traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
+    priced = price_graph(traced.graph, load_profile("a72"))
+    schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
+    sgd_a, sgd_b, sgd_c = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
+                           for b in (scheduled, plain, floor))
+    floor_partition = partition_from_traced(trace_model(floor, granularity=granularity, block_depth=depth))
+    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": []}
+    with ScheduleExecutor(partition_from_traced(traced), schedule) as executor:
+        runs = {
+            "schedule": lambda: executor.train_step(scheduled.inputs, scheduled.labels, sgd_a),
+            "plain": lambda: plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b),
+            "floor": lambda: _per_node_autograd_step(floor_partition, floor.inputs, floor.labels, sgd_c),
+        }
+        for step in range(steps + 2):  # interleaved; the first two of each are warm-up
+            for name, run in runs.items():
                 started = time.perf_counter()
-                executor.train_step(scheduled.inputs, scheduled.labels, sgd_a)
-                schedule_s = time.perf_counter() - started
-                started = time.perf_counter()
-                plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b)
-                plain_s = time.perf_counter() - started
+                run()
                 if step >= 2:
-                    times_s["schedule"].append(schedule_s)
-                    times_s["plain"].append(plain_s)
-        plain_s = statistics.median(times_s["plain"])
-        schedule_s = statistics.median(times_s["schedule"])
-        paired = sorted(a / b for a, b in zip(times_s["schedule"], times_s["plain"], strict=True))
-        rows.append({
-            "granularity": granularity if granularity == "layer" else f"block:{depth}",
-            "nodes": traced.graph.size,
-            "instructions": len(schedule.instructions),
-            "plain_s": plain_s,
-            "schedule_s": schedule_s,
-            "ratio": statistics.median(paired),  # median over steps of schedule/plain, each pair back to back
-            "ratio_q1": paired[len(paired) // 4],
-            "ratio_q3": paired[(3 * len(paired)) // 4],
-        })
-    return rows
+                    times_s[name].append(time.perf_counter() - started)
+    paired = sorted(a / b for a, b in zip(times_s["schedule"], times_s["plain"], strict=True))
+    floor_paired = sorted(a / b for a, b in zip(times_s["floor"], times_s["plain"], strict=True))
+    return {
+        "granularity": granularity if granularity == "layer" else f"block:{depth}",
+        "nodes": traced.graph.size,
+        "instructions": len(schedule.instructions),
+        "plain_s": statistics.median(times_s["plain"]),
+        "schedule_s": statistics.median(times_s["schedule"]),
+        "ratio": statistics.median(paired),  # median over steps of schedule/plain, each pair back to back
+        "ratio_q1": paired[len(paired) // 4],
+        "ratio_q3": paired[(3 * len(paired)) // 4],
+        "floor_ratio": statistics.median(floor_paired),
+    }
 
 
 # ----------------------------------------------------------------------------- part 2: one run per process
@@ -254,7 +300,7 @@ def budget_rows(args) -> tuple[dict, list[dict]]:
     peak = no_remat_peak_bytes(priced)
     budget = 0.5 * peak
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=args.runtime_budget,
-                                                 time_limit_s=args.time_limit))
+                                                 time_limit_s=args.time_limit, paging=args.paging))
     if result.schedule is None:
         raise SystemExit(f"no schedule at 50% of the no-remat peak: {result.message}")
     schedule_file = os.path.join(tempfile.mkdtemp(prefix="poet-bench-"), "schedule.json")
@@ -297,6 +343,8 @@ def main() -> None:
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="solve part 2 on the quick local profile as measured, without fitting it to the "
                              "executor's telemetry first")
+    parser.add_argument("--no-paging", dest="paging", action="store_false", help="part 2: POET recomputes only")
+    parser.add_argument("--part", type=int, choices=[1, 2], help="run only this part (default: both)")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)
     parser.add_argument("--run-peak", help=argparse.SUPPRESS)
     parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
@@ -313,19 +361,23 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     print(f"# Executor benchmark: {args.model}, {args.threads} torch thread(s), torch {torch.__version__}")
-    print(f"\n## 1. No memory pressure: keep-all schedule against plain PyTorch, batch {args.overhead_batch_size} "
-          f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
-          "ratio: median of the per-step ratios, with its quartiles)\n")
-    print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
-          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12}")
-    for allocator in ("glibc default", "glibc keeps freed memory"):
-        config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.overhead_steps,
-                  "threads": args.threads}
-        for row in _spawn(config, mode="--run-overhead", allocator=allocator):
-            print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
-                  f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
-                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f}")
+    if args.part in (None, 1):
+        print(f"\n## 1. No memory pressure: keep-all schedule against plain PyTorch, batch {args.overhead_batch_size} "
+              f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
+              "ratio: median of the per-step ratios, with its quartiles; floor: the same nodes run one by one with "
+              "one autograd call each, without the executor's store, hooks and telemetry)\n")
+        print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
+              f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12}")
+        for allocator in ("glibc default", "glibc keeps freed memory"):
+            config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.overhead_steps,
+                      "threads": args.threads}
+            for row in _spawn(config, mode="--run-overhead", allocator=allocator):
+                print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
+                      f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
+                      f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f}")
 
+    if args.part == 1:
+        return
     info, rows = budget_rows(args)
     predicted = info["predicted"]
     print(f"\n## 2. Batch {args.batch_size}, at 50% of the no-remat peak ({info['budget_bytes'] / 1e6:.1f} MB of "

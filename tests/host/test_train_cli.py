@@ -138,3 +138,13 @@ def test_commands_register_on_the_poet_parser():
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     assert {"train", "verify", "demo"} <= set(subparsers.choices)
+
+
+def test_allocator_defaults_keep_freed_memory_and_return_under_a_cgroup():
+    from argparse import Namespace
+
+    from host.train_cli import _allocator_mode
+
+    assert _allocator_mode(Namespace(allocator=None, cgroup=None)) == "keep"
+    assert _allocator_mode(Namespace(allocator=None, cgroup="/sys/fs/cgroup/poet")) == "return"
+    assert _allocator_mode(Namespace(allocator="default", cgroup=None)) == "default"
