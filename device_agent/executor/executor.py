@@ -302,6 +302,7 @@ class ScheduleExecutor:
         nodes = partition.nodes
         try:
             for position, op in enumerate(self.ops):
+                cpu0 = time.process_time()
                 t0 = time.perf_counter()
                 if op.kind == "compute":
                     moved = self._compute(op)
@@ -318,6 +319,7 @@ class ScheduleExecutor:
                     moved = self._pages().delete(op.node)
                     self.counters.frees_flash += 1
                 duration_s = time.perf_counter() - t0
+                instruction_cpu_s = time.process_time() - cpu0
                 if op.kind == "compute":
                     compute_s += duration_s
                 elif op.kind in ("page_in", "page_out"):
@@ -335,7 +337,7 @@ class ScheduleExecutor:
                 self.events.emit(
                     InstructionEvent(
                         step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s,
-                        int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute,
+                        int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute, instruction_cpu_s,
                     )
                 )
             if len(self.ram) or (self.pages is not None and self.pages.nodes()):

@@ -27,6 +27,7 @@ class InstructionEvent:
     ram_in_use_bytes: int  # controlled bytes after the instruction
     rss_bytes: int  # process resident set size after the instruction
     recompute: bool = False  # a compute of a node already computed in this step
+    cpu_s: float = 0.0  # CPU time of this process during the instruction (all threads)
     type: str = "instruction"
 
     def to_dict(self) -> dict[str, Any]:

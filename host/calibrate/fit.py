@@ -1,19 +1,26 @@
 """Fit a profile's compute rates and paging costs to executor telemetry.
 
-Compute: for every op class, FLOP/s = the FLOPs of the forward computes of that class divided by their
-measured seconds. Only forward computes are used: they are what a schedule can add (recomputations),
-and backward nodes run once in every schedule. Per-node fixed costs (dispatch, the executor's own
-bookkeeping) are folded into the rate, so the fitted rates price nodes as the executor runs them.
+Compute: for every op class, FLOP/s = the FLOPs of its forward nodes divided by their measured seconds
+(each node's median over its computes, so a step disturbed by another process does not skew the fit).
+Only forward computes are used: they are what a schedule can add (recomputations), and backward nodes
+run once in every schedule. Per-node fixed costs (dispatch, the executor's own bookkeeping) are folded
+into the rate, so the fitted rates price nodes as the executor runs them.
 
-Paging: each direction's latency and 1/throughput are scaled by one factor, measured seconds over the
-seconds the profile predicts for the same page-ins (or page-outs) and bytes.
+Paging time: each direction's latency and 1/throughput are scaled by one factor, the measured seconds
+over the seconds the profile predicts for the same transfers and bytes.
 
-The first ``skip_steps`` steps are left out (allocator and cache warm-up).
+Paging energy: where the CPU works during a transfer (copying, checksumming), an energy meter that
+charges CPU time (``modelled:cpu-time×power``) charges paging for it too. Given the CPU's watts per
+busy thread, ``memory_power_w`` becomes the effective power while paging: the profile's storage power
+plus the CPU time the transfers took per second of transfer, at that power.
+
+The first ``skip_steps`` steps of each executor run are left out (allocator and cache warm-up).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Iterable
 
 from device_agent.executor.telemetry import InstructionEvent
@@ -31,13 +38,17 @@ def calibrate_profile(
     events: Iterable[InstructionEvent],
     *,
     skip_steps: int = 1,
+    cpu_power_w_per_thread: float | None = None,
 ) -> PlatformProfile:
-    """``profile`` with compute rates (per op class) and paging costs fitted to ``events`` of ``graph``."""
-    flops: dict[str, float] = {}
-    seconds: dict[str, float] = {}
+    """``profile`` with compute rates (per op class) and paging costs fitted to ``events`` of ``graph``.
+
+    ``cpu_power_w_per_thread``: watts one busy CPU thread draws; when given, the CPU time of page
+    transfers is priced into ``memory_power_w`` (see the module docstring).
+    """
+    node_seconds: dict[int, list[float]] = {}
     paging = {"page_in": [0.0, 0.0], "page_out": [0.0, 0.0]}  # measured s, predicted s
+    paging_cpu_s = 0.0
     steps: set[int] = set()
-    used = 0
     for event in events:
         if event.step < skip_steps:
             continue
@@ -49,9 +60,7 @@ def calibrate_profile(
         node = graph.nodes[event.node]
         steps.add(event.step)
         if event.kind == "compute" and node.kind != "bwd" and node.flops > 0:
-            flops[node.op_class] = flops.get(node.op_class, 0.0) + node.flops
-            seconds[node.op_class] = seconds.get(node.op_class, 0.0) + event.duration_s
-            used += 1
+            node_seconds.setdefault(event.node, []).append(event.duration_s)
         elif event.kind in paging:
             latency, throughput = (
                 (profile.page_in_latency_s, profile.page_in_throughput_bytes_per_s)
@@ -60,29 +69,42 @@ def calibrate_profile(
             )
             paging[event.kind][0] += event.duration_s
             paging[event.kind][1] += latency + event.bytes_moved / throughput
-            used += 1
-    if not used:
+            paging_cpu_s += event.cpu_s
+    if not node_seconds and not any(measured for measured, _ in paging.values()):
         raise CalibrationError(
             f"no measured computes or page transfers after the first {skip_steps} step(s): train more steps"
         )
     note = f"calibrated from executor telemetry ({len(steps)} step(s) of {graph.name})"
+    flops: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for index, durations in node_seconds.items():
+        op_class = graph.nodes[index].op_class
+        flops[op_class] = flops.get(op_class, 0.0) + graph.nodes[index].flops
+        seconds[op_class] = seconds.get(op_class, 0.0) + statistics.median(durations)
     rates = dict(profile.flops_per_s)
     sources = dict(profile.sources)
     for op_class, total in flops.items():
         if seconds[op_class] > 0:
             rates[op_class] = total / seconds[op_class]
-            sources[f"compute.flops_per_s.{op_class}"] = f"{note}: forward FLOPs / measured seconds"
+            sources[f"compute.flops_per_s.{op_class}"] = f"{note}: forward FLOPs / median measured seconds"
     if DEFAULT_OP_CLASS not in flops and "elementwise" in flops:
         rates[DEFAULT_OP_CLASS] = rates["elementwise"]
         sources[f"compute.flops_per_s.{DEFAULT_OP_CLASS}"] = f"{note}: = the elementwise rate"
     changes: dict = {"flops_per_s": rates, "sources": sources, "path": None}
-    for kind, (measured_s, predicted_s) in paging.items():
+    for prefix, (measured_s, predicted_s) in paging.items():
         if measured_s > 0 and predicted_s > 0:
             factor = measured_s / predicted_s
-            prefix = "page_in" if kind == "page_in" else "page_out"
             changes[f"{prefix}_latency_s"] = getattr(profile, f"{prefix}_latency_s") * factor
             changes[f"{prefix}_throughput_bytes_per_s"] = getattr(profile, f"{prefix}_throughput_bytes_per_s") / factor
             for field in ("latency_s", "throughput_bytes_per_s"):
                 sources[f"{prefix}.{field}"] = f"{note}: scaled by measured/predicted = {factor:.3g}"
+    paging_s = sum(measured for measured, _ in paging.values())
+    if cpu_power_w_per_thread is not None and paging_s > 0:
+        cpu_w = paging_cpu_s / paging_s * cpu_power_w_per_thread
+        changes["memory_power_w"] = profile.memory_power_w + cpu_w
+        sources["memory_power_w"] = (
+            f"{note}: storage {profile.memory_power_w:.3g} W + CPU busy {paging_cpu_s / paging_s:.2f} thread(s) "
+            f"while paging x {cpu_power_w_per_thread:.3g} W"
+        )
     changes["description"] = f"{profile.description}; {note}"
     return dataclasses.replace(profile, **changes)

@@ -83,3 +83,16 @@ def test_warm_up_only_telemetry_is_rejected(measured):
     graph, events = measured
     with pytest.raises(CalibrationError, match="train more steps"):
         calibrate_profile(load_profile("m0"), graph, [e for e in events if e.step == 0])
+
+
+def test_cpu_time_of_page_transfers_is_priced_into_paging_power(measured):
+    graph, events = measured
+    profile = load_profile("m0")
+    transfers = [e for e in events if e.kind in ("page_in", "page_out") and e.step >= 1]
+    cpu_s = sum(e.cpu_s for e in transfers)
+    wall_s = sum(e.duration_s for e in transfers)
+    assert cpu_s > 0  # the executor checksums and copies every page: that is CPU work
+    calibrated = calibrate_profile(profile, graph, events, cpu_power_w_per_thread=5.0)
+    assert calibrated.memory_power_w == pytest.approx(profile.memory_power_w + cpu_s / wall_s * 5.0)
+    assert "CPU busy" in calibrated.sources["memory_power_w"]
+    assert calibrate_profile(profile, graph, events).memory_power_w == profile.memory_power_w
