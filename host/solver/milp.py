@@ -19,6 +19,7 @@ class SolverProgress:
     incumbent_j: float | None
     bound_j: float | None
     gap: float | None
+    phase: str = "solving"  # what the solver is doing: building model | warm start | solving | ...
 
 
 ProgressCallback = Callable[[SolverProgress], None]

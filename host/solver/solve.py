@@ -18,6 +18,9 @@ from host.solver.validator import ScheduleValidationError, ValidationReport, val
 
 FORMULATIONS = {"poet-edge": PoetFormulation, "poet2022": Poet2022Formulation}
 
+# Every solve stops here unless told otherwise, and returns its best schedule with its gap.
+DEFAULT_TIME_LIMIT_S = 300.0
+
 
 class BudgetError(ValueError):
     """A budget that no schedule can meet, or that is malformed."""
@@ -28,7 +31,7 @@ class SolveOptions:
     ram_budget_bytes: float
     runtime_factor: float = 1.0
     solver: str = "highs"
-    time_limit_s: float | None = None
+    time_limit_s: float | None = DEFAULT_TIME_LIMIT_S
     paging: bool = True
     remat: bool = True
     paging_in_runtime: bool = False
