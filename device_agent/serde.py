@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from google.protobuf import json_format
 
 from device_agent import protos
+from device_agent.fileio import atomic_write_text
 from device_agent.schedule import (
     Instruction,
     Prediction,
@@ -93,19 +93,10 @@ def schedule_from_json(text: str, source: str = "<schedule>") -> Schedule:
 
 
 def write_schedule_file(schedule: Schedule, path: str | os.PathLike) -> None:
-    """Write atomically (temporary file, fsync, rename): a reader never sees half a schedule."""
+    """Write atomically (see device_agent.fileio): a reader never sees half a schedule."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(schedule_to_json(schedule))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_text(target, schedule_to_json(schedule))
 
 
 def read_schedule_file(path: str | os.PathLike) -> Schedule:

@@ -29,11 +29,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from device_agent.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 OP_CLASSES: tuple[str, ...] = ("input", "matmul", "conv", "norm", "elementwise", "pool", "loss", "other")
@@ -316,7 +317,7 @@ def load_profile(name_or_path: str) -> PlatformProfile:
 
 
 def save_profile(profile: PlatformProfile, path: str | os.PathLike) -> None:
-    """Validate and write ``profile`` as JSON atomically (temporary file, fsync, rename)."""
+    """Validate and write ``profile`` as JSON atomically (see device_agent.fileio)."""
     target = Path(path)
     data = profile.to_dict()
     PlatformProfile.from_dict(data, file_label=str(target))  # never write a file that would not load
@@ -324,32 +325,8 @@ def save_profile(profile: PlatformProfile, path: str | os.PathLike) -> None:
     if not directory.is_dir():
         raise ProfileError(f"{target}: directory {str(directory)!r} does not exist; create it first")
     text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-    try:  # keep an existing file's permissions; a new file gets rw-r--r-- (mkstemp would give rw-------)
+    try:  # keep an existing file's permissions; a new file gets rw-r--r--
         mode = target.stat().st_mode & 0o777
     except OSError:
         mode = 0o644
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename durable; not every platform can open a directory
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    atomic_write_text(target, text, mode=mode)
