@@ -9,13 +9,12 @@ DEMO_DIR ?= out/demo
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when the project metadata changes.
-$(STAMP): pyproject.toml protos/poet/v1/*.proto
+# Idempotent: re-runs only when the project metadata or the pins change. The protobuf stubs are
+# committed (regenerate with `$(BIN)/python -m device_agent.protos` after editing a .proto).
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# The CPU wheel of exactly this torch version; a looser pin pulls CUDA packages.
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -m device_agent.protos
+	# constraints.txt pins the CPU wheel of exactly torch 2.13.0; pyproject's range alone pulls a CUDA build.
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 demo: setup
