@@ -1,0 +1,343 @@
+"""Measurement passes: per group the FLOPs, the bytes it holds for backward, and what its backward needs.
+
+1. One :class:`torch.fx.Interpreter` pass (:class:`GroupRecorder`) on the example batch records per group the
+   forward FLOPs and the tensors autograd saves (``saved_tensors_hooks``); output bytes follow from storages.
+2. Each group is re-run alone (inputs detached) and differentiated under ``FlopCounterMode``
+   (:func:`measure_backward`): backward FLOPs, which forward outputs its backward needs, and which inputs
+   receive a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils.flop_counter import FlopCounterMode
+
+from host.graph.export import TraceError
+from host.graph.grouping import build_group_module, module_path
+from host.graph.op_tables import CLASS_PRIORITY, classify_op, op_name, tensors
+
+if TYPE_CHECKING:
+    from host.graph.trace import NodeGroup
+
+__all__ = [
+    "PINNED_INTERNALS_MAX_FRACTION", "Backward", "Backwards", "Facts", "ForwardRun", "GroupRecorder",
+    "attribute_keys", "dominant_class", "measure_backward", "measure_backwards", "measure_forward",
+    "record_forward", "release_unused_pins", "storage_key",
+]  # fmt: skip
+
+# Internals are the tensors a group's backward saves that are not its outputs. When they are at most this
+# fraction of the outputs (BatchNorm's and LayerNorm's mean and 1/std), they are pinned: held from the run
+# whose graph the backward uses until that backward, outside the schedule, and charged to the fixed bytes.
+# The node's schedulable bytes are then its outputs alone, and its backward depends on its own forward node
+# only if it reads those outputs, so (for example) a BatchNorm output can be freed once the ReLU after it has
+# run, as autograd frees it. Larger internals (dropout masks, a block's intermediates) stay in the node.
+PINNED_INTERNALS_MAX_FRACTION = 1 / 8
+
+
+@dataclass
+class Facts:
+    """What one forward pass tells about a group."""
+
+    counted_flops: int = 0  # FLOPs the counter reported
+    formula_flops: int = 0  # FLOPs from the op_tables formulas (ops the counter reports as 0)
+    class_flops: dict[str, int] = field(default_factory=dict)
+    first_class: str | None = None
+    saved: list[torch.Tensor] = field(default_factory=list)
+
+
+class GroupRecorder(Interpreter):
+    """Runs the traced program once on the example batch, recording per group its FLOPs and saved tensors."""
+
+    def __init__(self, gm: GraphModule, group_index: dict[Node, int], num_groups: int, counter: FlopCounterMode):
+        super().__init__(gm, garbage_collect_values=False)
+        self.group_index = group_index
+        self.counter = counter
+        self.facts = [Facts() for _ in range(num_groups)]
+        self._current: int | None = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._current is not None:
+            self.facts[self._current].saved.append(tensor)
+        return tensor
+
+    def run_node(self, n: Node) -> Any:
+        self._current = self.group_index.get(n)
+        before = self.counter.get_total_flops()
+        try:
+            result = super().run_node(n)
+        except Exception as error:
+            raise TraceError(
+                f"running traced op {n.name} ({n.target}, module {module_path(n) or 'top level'!r}) failed: {error}"
+            ) from error
+        if self._current is not None:
+            counted = self.counter.get_total_flops() - before
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            op_class, formula = classify_op(op_name(n), args, result)
+            facts = self.facts[self._current]
+            flops = counted if counted > 0 else formula
+            if counted > 0:
+                facts.counted_flops += counted
+            else:
+                facts.formula_flops += formula
+            facts.class_flops[op_class] = facts.class_flops.get(op_class, 0) + flops
+            if facts.first_class is None and op_class != "other":
+                facts.first_class = op_class
+        self._current = None
+        return result
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Identifies a live tensor's storage; None for empty storages."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def dominant_class(facts: Facts) -> str:
+    if any(facts.class_flops.values()):
+        top = max(facts.class_flops.values())
+        return next(c for c in CLASS_PRIORITY if facts.class_flops.get(c) == top)
+    return facts.first_class or "other"
+
+
+@dataclass
+class Backward:
+    flops: int
+    grad_bytes: int
+    grad_inputs: tuple[str, ...]
+    saved_groups: tuple[int, ...]
+
+
+def measure_backward(
+    module: GraphModule,
+    group: NodeGroup,
+    values: dict[str, Any],
+    producer: dict[str, int],
+    attr_keys: set[tuple[int, int]],
+    receiving: set[str] | None,
+    formula_flops: int,
+    *,
+    pin_internals: bool = False,
+) -> Backward | None:
+    """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient.
+
+    ``receiving``: the output values a gradient flows back into (None: all, for the loss).
+    ``pin_internals``: the group's internals are pinned, so only its saved outputs make the backward
+    depend on the group's own node.
+    """
+    # An in-place op left on an activation (not a buffer update) must not hit a leaf: feed clones then.
+    mutates = any(
+        isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+        and not (n.args and isinstance(n.args[0], Node) and n.args[0].op == "get_attr")
+        for n in module.graph.nodes
+        if n.op == "call_function"
+    )
+    leaves: list[tuple[str, torch.Tensor]] = []
+    fed: list[Any] = []
+    key_to_value: dict[tuple[int, int], str] = {}
+    for name in group.input_values:
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            leaf = value.detach()
+            if value.requires_grad:
+                leaf.requires_grad_(True)
+                leaves.append((name, leaf))
+            feed = leaf.clone() if mutates else leaf  # an in-place op must not hit a leaf
+            for tensor in (leaf, feed):
+                key = storage_key(tensor)
+                if key is not None:
+                    key_to_value[key] = name
+            fed.append(feed)
+        else:
+            fed.append(value)
+    params: list[torch.Tensor] = []
+    for name in group.param_names:
+        param = module.get_parameter(name)
+        if param.requires_grad and not any(param is p for p in params):
+            params.append(param)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = module(*fed)
+    differentiable = [
+        t
+        for name, output in zip(group.output_values, outputs, strict=True)
+        if receiving is None or name in receiving
+        for t in tensors(output)
+        if t.requires_grad
+    ]
+    if not differentiable or not (leaves or params):
+        return None
+    with FlopCounterMode(display=False) as counter:
+        grads = torch.autograd.grad(
+            differentiable,
+            [leaf for _, leaf in leaves] + params,
+            grad_outputs=[torch.ones_like(t) for t in differentiable],
+            allow_unused=True,
+        )
+    input_grads = grads[: len(leaves)]
+    output_keys = {k for output in outputs for t in tensors(output) if (k := storage_key(t)) is not None}
+    saved_groups: list[int] = []
+    for tensor in saved:
+        key = storage_key(tensor)
+        if key is None or key in attr_keys:
+            continue
+        source = key_to_value.get(key)
+        if source is not None and source not in producer:
+            continue  # the labels: fixed bytes
+        if source is None and pin_internals and key not in output_keys:
+            continue  # a pinned internal: not part of the node
+        owner = group.index if source is None else producer[source]
+        if owner not in saved_groups:
+            saved_groups.append(owner)
+    return Backward(
+        flops=counter.get_total_flops() + 2 * formula_flops,
+        grad_bytes=sum(g.numel() * g.element_size() for g in input_grads if g is not None),
+        grad_inputs=tuple(name for (name, _), g in zip(leaves, input_grads, strict=True) if g is not None),
+        saved_groups=tuple(saved_groups),
+    )
+
+
+# ----------------------------------------------------------------------------- the forward pass
+@dataclass
+class ForwardRun:
+    """The traced program run once on the example batch."""
+
+    loss: Any
+    values: dict[str, Any]  # fx value name -> its value (every node's, kept alive for the passes that follow)
+    facts: list[Facts]  # per group
+
+
+def record_forward(
+    gm: GraphModule,
+    group_index: dict[Node, int],
+    num_groups: int,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+) -> ForwardRun:
+    """Run ``gm`` on detached ``inputs`` and ``labels`` with a GroupRecorder: FLOPs and saved tensors per group."""
+    recorder = GroupRecorder(gm, group_index, num_groups, FlopCounterMode(display=False))
+    with torch.enable_grad(), recorder.counter, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        loss = recorder.run(*(x.detach() for x in inputs), labels.detach())
+    return ForwardRun(loss, {node.name: value for node, value in recorder.env.items()}, recorder.facts)
+
+
+def attribute_keys(gm: GraphModule, values: dict[str, Any]) -> set[tuple[int, int]]:
+    """Storages of parameters, buffers and constants: fixed bytes, never a group's."""
+    return {
+        key
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        for t in tensors(values.get(n.name))
+        if (key := storage_key(t))
+    }
+
+
+def measure_forward(
+    groups: list[NodeGroup], facts: list[Facts], values: dict[str, Any], attr_keys: set[tuple[int, int]]
+) -> None:
+    """Set each group's FLOPs, op class and bytes (used outputs + saved internals created in the group).
+
+    Small internals are marked pinned here; :func:`release_unused_pins` settles them once backward is known.
+    """
+    for group, group_facts in zip(groups, facts, strict=True):
+        group.flops = group_facts.counted_flops + group_facts.formula_flops
+        group.op_class = (
+            "input" if group.index == 0 else ("loss" if group.kind == "loss" else dominant_class(group_facts))
+        )
+        excluded = set(attr_keys)
+        if group.index != 0:
+            excluded.update(k for v in group.input_values for t in tensors(values[v]) if (k := storage_key(t)))
+        counted: set[tuple[int, int]] = set()
+        totals = [0, 0]  # used outputs, saved internals
+        for part, found in (
+            (0, (t for v in group.output_values for t in tensors(values[v]))),
+            (1, iter(group_facts.saved)),
+        ):
+            for tensor in found:
+                key = storage_key(tensor)
+                if key is None or key in excluded or key in counted:
+                    continue
+                counted.add(key)
+                totals[part] += key[1]
+        group.output_bytes = totals[0] + totals[1]
+        group.saved_bytes = totals[1]
+        if group.index != 0 and 0 < totals[1] <= PINNED_INTERNALS_MAX_FRACTION * totals[0]:
+            group.pinned_bytes = totals[1]  # kept only if the group turns out to have a backward
+
+
+# ----------------------------------------------------------------------------- the backward passes
+@dataclass
+class Backwards:
+    """Every group's backward, measured from the loss back."""
+
+    by_group: dict[int, Backward]  # group index -> its backward (absent: no gradient reaches the group)
+    upstream: dict[int, list[int]]  # group index -> groups whose backward sends it a gradient, latest first
+    group_modules: dict[int, GraphModule]  # the standalone group modules built on the way
+
+
+def measure_backwards(
+    gm: GraphModule,
+    groups: list[NodeGroup],
+    values: dict[str, Any],
+    producer: dict[str, int],
+    attr_keys: set[tuple[int, int]],
+    facts: list[Facts],
+) -> Backwards:
+    """Each group alone, last to first; a group needs a gradient only if one reaches it."""
+    consumers: dict[str, list[int]] = {}
+    for group in groups:
+        for value in group.input_values:
+            consumers.setdefault(value, []).append(group.index)
+    backward: dict[int, Backward] = {}
+    upstream: dict[int, list[int]] = {}
+    group_modules: dict[int, GraphModule] = {}
+    for group in reversed(groups[1:]):
+        receiving: set[str] | None = None
+        if group.kind != "loss":
+            edges = [
+                (v, c)
+                for v in group.output_values
+                for c in consumers.get(v, [])
+                if c in backward and v in backward[c].grad_inputs
+            ]
+            if not edges:
+                continue
+            receiving = {v for v, _ in edges}
+            upstream[group.index] = sorted({c for _, c in edges}, reverse=True)
+        group_modules[group.index] = build_group_module(gm, group)
+        measured = measure_backward(
+            group_modules[group.index],
+            group,
+            values,
+            producer,
+            attr_keys,
+            receiving,
+            facts[group.index].formula_flops,
+            pin_internals=group.pinned_bytes > 0,
+        )
+        if measured is not None:
+            backward[group.index] = measured
+    return Backwards(backward, upstream, group_modules)
+
+
+def release_unused_pins(groups: list[NodeGroup], backward: dict[int, Backward]) -> None:
+    """Pinned internals leave the node's bytes; without a backward nothing is saved, so nothing is pinned."""
+    for group in groups:
+        if group.index in backward and group.pinned_bytes:
+            group.output_bytes -= group.pinned_bytes
+        else:
+            group.pinned_bytes = 0
