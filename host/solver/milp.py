@@ -106,3 +106,4 @@ class MilpResult:
     gap: float | None
     solve_s: float
     message: str = ""
+    interrupted: bool = False  # the user stopped the solve (Ctrl-C); x is the incumbent, if any

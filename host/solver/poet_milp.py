@@ -5,8 +5,10 @@ computes node t plus recomputations; checkpoints live in RAM (S_RAM) or on flash
 M_in/M_out page between them; U[t, k] is RAM after computing node k in stage t. Differences:
 
 - A variable exists only if it can be useful. Node i is useful at stage t when it is an input of
-  the stage's target, or is still needed after stage t, or is a forward ancestor of such a node
-  (through forward nodes only: backward nodes are computed once, kept or paged, never recomputed).
+  the stage's target, or is still needed after stage t, or is an ancestor of such a node (any
+  node may be recomputed, backward nodes included, as in the paper). Keeping or paging a node
+  that nothing can use any more only costs RAM or energy, so dropping those variables loses no
+  schedule that matters: every optimum of the paper's formulation maps to one here.
 - U[t, ·] is tracked only at positions where stage t may allocate; elsewhere it cannot rise.
 - The free indicator of edge (i, k) gets disaggregated upper bounds (tighter LP relaxation)
   instead of the big-M pair; freeing only lowers memory, so the solver sets it whenever allowed.
@@ -39,14 +41,10 @@ class FormulationOptions:
 
 
 def useful_mask(graph: TrainingGraph) -> np.ndarray:
-    """useful[t, i]: node i can contribute to stage t's target or to a tensor live after stage t.
-
-    Backward nodes are computed once and never recomputed (recomputing a gradient needs its
-    upstream gradients back), so only forward nodes propagate need to their own inputs.
-    """
+    """useful[t, i]: node i can contribute to stage t's target or to a tensor live after stage t."""
     size = graph.size
     last_use = graph.last_use
-    recomputable = [n.kind != "bwd" for n in graph.nodes]
+    recomputable = [True] * size
     useful = np.zeros((size, size), dtype=bool)
     for stage in range(size):
         seen = useful[stage]
@@ -133,7 +131,7 @@ class PoetFormulation:
             for i in range(t):
                 if not useful[t, i]:
                     continue
-                if opts.remat and graph.nodes[i].kind != "bwd":
+                if opts.remat:
                     v.recompute[t, i] = problem.add_var(cost=priced.compute_j[i])
                 v.keep_ram[t, i] = problem.add_var()
             if opts.paging:

@@ -9,7 +9,7 @@ from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
 from host.solver.baselines import BaselineDoesNotFitError, checkpoint_sqrt_n_plan, keep_all_plan, paging_plan
-from host.solver.milp import ProgressCallback
+from host.solver.milp import MilpResult, ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
 from host.solver.policy_search import greedy_policy_plan
@@ -56,6 +56,8 @@ class SolveResult:
     model_columns: int = 0
     model_rows: int = 0
     plan: StagePlan | None = None
+    interrupted: bool = False  # the user stopped the solve (Ctrl-C); the schedule is its incumbent
+    retries: tuple[str, ...] = ()  # why an answer was not trusted and solved again, in order
 
 
 def minimum_ram_bytes(priced: PricedGraph) -> int:
@@ -160,30 +162,88 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         remat=options.remat,
         paging_in_runtime=options.paging_in_runtime,
     )
+    _report_phase(progress, started, "building model")
     formulation = FORMULATIONS[options.formulation](priced, formulation_options)
     start = None
     if options.warm_start:
+        _report_phase(progress, started, "warm start")
         start = _warm_start(formulation, priced, options, runtime_budget_s)
-    result = solve_milp(
-        formulation.problem,
-        options.solver,
-        time_limit_s=options.time_limit_s,
-        mip_gap=options.mip_gap,
-        threads=options.threads,
-        start=start,
-        progress=progress,
-    )
-    elapsed = time.perf_counter() - started
     sizes = dict(model_columns=formulation.problem.num_cols, model_rows=formulation.problem.num_rows)
+    retries: list[str] = []
+    # An answer is tried as given, then without the warm start, then without presolve: a backend
+    # that reports one objective and returns other columns (HiGHS 1.16 can hand back the start
+    # vector unchanged) is never trusted, and never called optimal.
+    attempts = [(start, True)] + ([(None, True)] if start is not None else []) + [(None, False)]
+    for attempt_start, presolve in attempts:
+        time_left_s = None
+        if options.time_limit_s is not None:
+            time_left_s = max(1.0, options.time_limit_s - (time.perf_counter() - started))
+        _report_phase(progress, started, "solving")
+        result = solve_milp(
+            formulation.problem,
+            options.solver,
+            time_limit_s=time_left_s,
+            mip_gap=options.mip_gap,
+            threads=options.threads,
+            start=attempt_start,
+            progress=progress,
+            presolve=presolve,
+        )
+        if result.x is None and result.status == "timeout" and start is not None:
+            # Stopped (time limit, Ctrl-C) before the backend kept a solution: the warm start is one.
+            start_j = formulation.problem.objective(start)
+            bound_j = max(result.bound or 0.0, float(priced.compute_j.sum()))  # every node is computed once
+            gap = max(0.0, (start_j - bound_j) / max(1e-12, abs(start_j)))
+            result = MilpResult("feasible", start, start_j, bound_j, gap, result.solve_s,
+                                result.message + "; the schedule is the warm start", interrupted=result.interrupted)
+        outcome = _checked_outcome(priced, formulation, options, runtime_budget_s, result, started, floor_bytes,
+                                   sizes)
+        distrust = outcome.message if outcome.status == "untrusted" else None
+        if distrust is None or result.interrupted:
+            break
+        retries.append(distrust)
+    if outcome.status == "untrusted":
+        # Every attempt disagreed with itself: keep the validated schedule, claim nothing about optimality.
+        outcome.status = "feasible" if outcome.schedule is not None else "error"
+        outcome.gap = None
+        if outcome.schedule is not None:
+            outcome.schedule.solve.status = outcome.status
+            outcome.schedule.solve.gap = 0.0
+    outcome.retries = tuple(retries)
+    outcome.solve_s = time.perf_counter() - started
+    if outcome.schedule is not None:
+        outcome.schedule.solve.solve_s = outcome.solve_s
+    return outcome
+
+
+# Relative tolerance between the solver's objective, its columns' objective and the validated energy.
+OBJECTIVE_AGREEMENT_RTOL = 1e-6
+
+
+def _report_phase(progress: ProgressCallback | None, started: float, phase: str) -> None:
+    if progress is not None:
+        progress(SolverProgress(elapsed_s=time.perf_counter() - started, incumbent_j=None, bound_j=None, gap=None,
+                                phase=phase))
+
+
+def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_s: float, result, started: float,
+                     floor_bytes: int, sizes: dict) -> SolveResult:
+    """Turn a backend's answer into a SolveResult; status "untrusted" when its numbers disagree."""
+    elapsed = time.perf_counter() - started
+    common = dict(runtime_budget_s=runtime_budget_s, minimum_ram_bytes=floor_bytes, interrupted=result.interrupted,
+                  **sizes)
     if result.x is None:
-        message = result.message
-        if result.status == "infeasible":
+        status, message = result.status, result.message
+        if status in ("optimal", "feasible"):  # a solver that claims an answer but gives no columns
+            status = "error"
+            message = f"the {options.solver} backend reported {result.status} but returned no solution"
+        if status == "infeasible":
             message = (
                 f"no schedule meets {options.ram_budget_bytes:.0f} bytes and a runtime factor of "
                 f"{options.runtime_factor} with {_ablation(options)}; the hard floor is {floor_bytes} bytes — "
                 "raise --ram-budget or --runtime-budget" + ("" if options.paging else ", or allow paging")
             )
-        return SolveResult(result.status, None, None, None, result.gap, elapsed, message=message, **common, **sizes)
+        return SolveResult(status, None, None, None, result.gap, elapsed, message=message, **common)
     plan = formulation.plan_from_solution(result.x)
     try:
         schedule, report = _finish(
@@ -193,10 +253,29 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     except ScheduleValidationError as error:
         return SolveResult(
             "error", None, None, result.objective, result.gap, elapsed,
-            message=f"the {formulation.name} solution failed validation: {error}", **common, **sizes,
+            message=f"the {formulation.name} solution failed validation: {error}", **common,
         )
-    return SolveResult(result.status, schedule, report, report.energy_j, result.gap, elapsed, message=result.message,
-                       plan=plan, **common, **sizes)
+    columns_j = formulation.problem.objective(result.x)
+    scale_j = max(1e-12, abs(columns_j))
+    disagreements = []
+    if result.objective is not None and abs(result.objective - columns_j) > OBJECTIVE_AGREEMENT_RTOL * scale_j:
+        disagreements.append(f"the solver reported {result.objective:.9g} J but its columns cost {columns_j:.9g} J")
+    if abs(report.energy_j - columns_j) > OBJECTIVE_AGREEMENT_RTOL * scale_j:
+        disagreements.append(f"the columns cost {columns_j:.9g} J but the validator replays {report.energy_j:.9g} J")
+    status, gap, message = result.status, result.gap, result.message
+    if disagreements:
+        status = "untrusted"
+        message = "; ".join(disagreements)
+    elif status == "feasible" and result.bound is not None:
+        gap = max(0.0, (report.energy_j - result.bound) / max(1e-12, abs(report.energy_j)))
+        schedule.solve.gap = gap
+    if result.interrupted:
+        message = "interrupted: the best schedule found so far" + (f" ({message})" if disagreements else "")
+        if status == "untrusted":
+            status, gap = "feasible", None
+            schedule.solve.gap = 0.0
+        schedule.solve.status = status
+    return SolveResult(status, schedule, report, report.energy_j, gap, elapsed, message=message, plan=plan, **common)
 
 
 def _ablation(options: SolveOptions) -> str:

@@ -50,7 +50,10 @@ def solve_milp(
     threads: int | None = None,
     start: object | None = None,
     progress: ProgressCallback | None = None,
+    presolve: bool = True,
 ) -> MilpResult:
+    """Solve ``problem`` with the named backend. ``presolve=False`` is the retry of an untrusted answer."""
     return get_backend(solver)(
-        problem, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads, start=start, progress=progress
+        problem, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads, start=start, progress=progress,
+        presolve=presolve,
     )

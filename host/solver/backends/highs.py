@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 import time
+from collections.abc import Iterator
 
 import highspy
 import numpy as np
@@ -15,8 +20,62 @@ _PROGRESS_PERIOD_S = 0.5
 _EXTRA_OPTIONS: dict[str, object] = {}
 
 
+_WAIT_PERIOD_S = 0.1  # how often the waiting thread wakes up to notice Ctrl-C
+
+
 def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) and abs(value) < 1e29 else None
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr for a while: HiGHS prints its banner to the process's stdout.
+
+    C stdio buffers are flushed before fd 1 is restored, so nothing written meanwhile can reach
+    stdout later (a program reading ``poet solve --json`` sees one JSON object and nothing else).
+    """
+    try:
+        stdout_fd = sys.stdout.fileno()
+        stderr_fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptors (e.g. captured in-process)
+        yield
+        return
+    sys.stdout.flush()
+    saved_fd = os.dup(stdout_fd)
+    try:
+        os.dup2(stderr_fd, stdout_fd)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved_fd, stdout_fd)
+        os.close(saved_fd)
+
+
+def _new_highs() -> highspy.Highs:
+    with _stdout_to_stderr():
+        return highspy.Highs()
+
+
+def _run(highs: highspy.Highs) -> bool:
+    """Run the solver in its own thread; Ctrl-C asks HiGHS to stop and keep its incumbent.
+
+    Returns True when the run was interrupted by the user.
+    """
+    highs.HandleUserInterrupt = True
+    thread = highs.startSolve()
+    interrupted = False
+    while thread.is_alive():
+        try:
+            thread.join(_WAIT_PERIOD_S)
+        except KeyboardInterrupt:
+            interrupted = True
+            highs.cancelSolve()
+    if interrupted:
+        # Workers of a cancelled MIP can outlive the run; without this, the process aborts at exit
+        # ("terminate called without an active exception").
+        highspy.Highs.resetGlobalScheduler(True)
+    return interrupted
 
 
 def solve_highs(
@@ -27,9 +86,12 @@ def solve_highs(
     threads: int | None = None,
     start: np.ndarray | None = None,
     progress: ProgressCallback | None = None,
+    presolve: bool = True,
 ) -> MilpResult:
-    highs = highspy.Highs()
+    highs = _new_highs()
     highs.setOptionValue("output_flag", False)
+    if not presolve:
+        highs.setOptionValue("presolve", "off")
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     if time_limit_s is not None:
         highs.setOptionValue("time_limit", float(time_limit_s))
@@ -84,7 +146,7 @@ def solve_highs(
 
         highs.cbMipInterrupt.subscribe(report)
         highs.cbMipImprovingSolution.subscribe(report)
-    highs.run()
+    interrupted = _run(highs)
     solve_s = time.perf_counter() - started
 
     status = highs.getModelStatus()
@@ -94,6 +156,11 @@ def solve_highs(
     objective = float(info.objective_function_value) if has_solution else None
     bound = _finite(info.mip_dual_bound)
     gap = _finite(info.mip_gap) if has_solution else None
+    if interrupted:
+        if has_solution:
+            return MilpResult("feasible", x, objective, bound, gap, solve_s, "interrupted", interrupted=True)
+        return MilpResult("timeout", None, None, bound, None, solve_s, "interrupted before any schedule was found",
+                          interrupted=True)
     if status == highspy.HighsModelStatus.kOptimal:
         return MilpResult("optimal", x, objective, bound, gap if gap is not None else 0.0, solve_s)
     if status == highspy.HighsModelStatus.kInfeasible:

@@ -58,13 +58,15 @@ def _solve(
     solve_s = time.perf_counter() - started
     status = model.status
     solution_status = getattr(model, "sol_status", None)
-    values = [v.value() for v in columns]
-    has_solution = all(v is not None for v in values) and status != pulp.LpStatusInfeasible
-    x = np.asarray(values, dtype=float) if has_solution else None
+    x = _column_values(problem, columns) if status != pulp.LpStatusInfeasible else None
     objective = problem.objective(x) if x is not None else None
     if progress is not None:
         progress(SolverProgress(solve_s, objective, None, None))
     if status == pulp.LpStatusOptimal and solution_status in (None, pulp.LpSolutionOptimal):
+        if x is None:
+            # CBC can say "optimal" and leave columns empty: no schedule, so never an optimum.
+            return MilpResult("error", None, None, None, None, solve_s,
+                              "the solver reported optimal but returned no values for the schedule's columns")
         return MilpResult("optimal", x, objective, objective, 0.0, solve_s)
     if status == pulp.LpStatusInfeasible:
         return MilpResult("infeasible", None, None, None, None, solve_s, "the model is infeasible")
@@ -73,27 +75,52 @@ def _solve(
     return MilpResult("timeout", None, None, None, None, solve_s, "no solution within the time limit")
 
 
-def solve_cbc(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
+def _column_values(problem: MilpProblem, columns: list[pulp.LpVariable]) -> np.ndarray | None:
+    """The solution vector, or None when a column the model uses came back without a value.
+
+    PuLP leaves out of the solver's file a column that no row and no cost mention; its value is
+    None, and any value within its bounds is as good, so it takes its lower bound.
+    """
+    used = np.zeros(problem.num_cols, dtype=bool)
+    used[np.asarray(problem.row_index, dtype=np.int64)] = True
+    used |= np.asarray(problem.col_cost) != 0.0
+    values = np.empty(problem.num_cols)
+    for col, variable in enumerate(columns):
+        value = variable.value()
+        if value is None:
+            if used[col]:
+                return None
+            value = problem.col_lb[col] if np.isfinite(problem.col_lb[col]) else 0.0
+        values[col] = value
+    return values
+
+
+def solve_cbc(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None,
+              presolve=True):
     # The CBC binary bundled with PuLP 3 (PULP_CBC_CMD); PuLP 4 moves it to the pulp[cbc] extra.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        solver = _bundled_cbc(time_limit_s, mip_gap, threads, start)
+        solver = _bundled_cbc(time_limit_s, mip_gap, threads, start, presolve)
     return _solve(problem, solver, start, progress, _to_pulp(problem))
 
 
-def _bundled_cbc(time_limit_s, mip_gap, threads, start):
+def _bundled_cbc(time_limit_s, mip_gap, threads, start, presolve=True):
     return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads, warmStart=start is not None
+        msg=False, timeLimit=time_limit_s, gapRel=mip_gap, threads=threads, warmStart=start is not None,
+        presolve=None if presolve else False,
     )
 
 
-def solve_gurobi(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None):
+def solve_gurobi(problem: MilpProblem, *, time_limit_s=None, mip_gap=1e-3, threads=None, start=None, progress=None,
+                 presolve=True):
     if "GUROBI" not in pulp.listSolvers(onlyAvailable=True):
         raise SolverUnavailableError(
             "Gurobi is not available on this machine: install gurobipy with a valid licence, "
             "or use --solver highs (the default) or --solver cbc"
         )
     options = {"timeLimit": time_limit_s, "gapRel": mip_gap, "warmStart": start is not None}
+    if not presolve:
+        options["Presolve"] = 0
     if threads is not None:
         options["Threads"] = threads
     return _solve(problem, pulp.GUROBI(msg=False, **options), start, progress, _to_pulp(problem))
