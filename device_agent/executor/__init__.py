@@ -19,7 +19,9 @@ from device_agent.executor.page_store import (
     FlashPageStore,
     PageCorruptError,
     PageStoreError,
+    StalePageDir,
     check_flash_dir,
+    remove_stale_page_dirs,
 )
 from device_agent.executor.partition import NodeProgram, Partition, PartitionNode
 from device_agent.executor.ram_store import Entry, EntryBuilder, RamStore, TensorView
@@ -48,10 +50,12 @@ __all__ = [
     "ScheduleExecutor",
     "ScheduleMismatchError",
     "StepResult",
+    "StalePageDir",
     "StepSummary",
     "TensorView",
     "check_flash_dir",
     "check_schedule",
     "plain_train_step",
     "planned_counts",
+    "remove_stale_page_dirs",
 ]

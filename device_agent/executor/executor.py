@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from device_agent.executor.allocator import malloc_trim
-from device_agent.executor.page_store import FlashPageStore, PageStoreError
+from device_agent.executor.page_store import (
+    FlashPageStore,
+    PageStoreError,
+    StalePageDir,
+    remove_stale_page_dirs,
+)
 from device_agent.executor.partition import NodeProgram, Partition, unique_by_identity
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
@@ -210,6 +216,10 @@ class ScheduleExecutor:
 
     ``flash_dir`` is needed when the schedule pages. Use as a context manager (or call :meth:`close`)
     so the page directory is removed.
+
+    Pre-flight, before any training: the schedule is replayed (:func:`check_schedule`); page directories
+    that killed runs left in ``flash_dir`` are removed (each reported on ``log`` and listed in
+    :attr:`stale_page_dirs`), also when this schedule does not page.
     """
 
     def __init__(
@@ -223,6 +233,7 @@ class ScheduleExecutor:
         enforce_budget: bool = False,
         drop_page_cache: bool = True,
         return_freed_memory: bool = False,
+        log: Callable[[str], None] | None = None,
     ):
         self.partition = partition
         self.schedule = schedule
@@ -234,10 +245,14 @@ class ScheduleExecutor:
         self.rss = RssSampler()
         self.ram = RamStore()
         self.pages: FlashPageStore | None = None
+        self.stale_page_dirs: list[StalePageDir] = []  # left by dead runs, removed from flash_dir here
         if any(op.kind == "page_out" for op in self.ops):
             if flash_dir is None:
                 raise ExecutorError("the schedule pages to flash: pass a flash directory (--flash-dir)")
-            self.pages = FlashPageStore(flash_dir, drop_cache=drop_page_cache)
+            self.pages = FlashPageStore(flash_dir, drop_cache=drop_page_cache, log=log)
+            self.stale_page_dirs = self.pages.stale_removed
+        elif flash_dir is not None:
+            self.stale_page_dirs = remove_stale_page_dirs(flash_dir, log=log)
         self._trim = malloc_trim() if return_freed_memory else None
         self.step_index = 0
         self.totals = Counters()
@@ -258,6 +273,7 @@ class ScheduleExecutor:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Drop every tensor and remove the page directory. Idempotent; safe on an exception path."""
         self._drop_records()
         self.ram.clear()
         if self.pages is not None:

@@ -6,6 +6,15 @@ carries a CRC-32 of its header and payload; a page-in verifies it. Files live in
 subdirectory of the flash directory, created at the first page-out and removed with the last page
 (and on :meth:`FlashPageStore.clear` after a failure), so nothing stays behind between steps.
 
+A process killed mid-step (SIGKILL from the OOM killer) cannot clean up, so every page directory is
+marked with its owner: an ``owner.lock`` file inside it, held with ``flock(LOCK_EX)`` for as long as
+the directory exists. The kernel releases that lock when the process dies however it dies, and a
+reused PID cannot fake it. A new store sweeps the flash directory first (:func:`remove_stale_page_dirs`)
+and removes the page directories whose lock nobody holds, reporting each one. To never see a live
+owner's directory without its lock, a directory is made under a staging name, locked, and only then
+renamed to ``.poet-pages-*``; staging directories are left alone for :data:`STAGING_GRACE_S`.
+The lock file also records the owner's PID and process start time, for the report only.
+
 File format (little endian): magic ``POETPG\\0\\1``, node u32, storage count u32, payload bytes u64,
 one u64 size per storage, the storages' bytes, then CRC-32 u32 and ``END\\0``.
 """
@@ -13,14 +22,24 @@ one u64 size per storage, the storages' bytes, then CRC-32 u32 and ``END\\0``.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import struct
 import tempfile
+import time
+import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no owner locks, so no sweeping either
+    fcntl = None
 
 from device_agent.executor.ram_store import Entry, EntryLayout, storage_bytes
 
@@ -30,6 +49,11 @@ _SIZE = struct.Struct("<Q")
 _TRAILER = struct.Struct("<I4s")
 _TRAILER_MAGIC = b"END\x00"
 _DIR_PREFIX = ".poet-pages-"
+_STAGING_PREFIX = ".poet-staging-"  # a page directory before its owner lock is held
+_OWNER_FILE = "owner.lock"
+# A staging directory younger than this may be one another process is creating right now (between
+# mkdtemp and flock); it becomes a page directory or is gone within microseconds.
+STAGING_GRACE_S = 60.0
 
 
 class PageStoreError(RuntimeError):
@@ -59,6 +83,187 @@ def check_flash_dir(flash_dir: str | os.PathLike) -> None:
         raise FlashDirError(f"flash dir {path!r} is not writable by this user: fix its permissions or pass another --flash-dir")
 
 
+@dataclass(frozen=True)
+class StalePageDir:
+    """A page directory left by a process that is gone, as removed by :func:`remove_stale_page_dirs`."""
+
+    path: str
+    owner_pid: int | None  # None: no owner recorded (made before owner marks, or killed while being made)
+    owner_start_time_s: float | None  # the owner's process start time (Unix time)
+    files: int  # page files (and temporary files) it held
+    bytes: int  # their total size
+
+    def describe(self) -> str:
+        owner = "an unknown process"
+        if self.owner_pid is not None:
+            owner = f"pid {self.owner_pid}"
+            if self.owner_start_time_s is not None:
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.owner_start_time_s))
+                owner += f" started {started}"
+        return (f"removed page directory {self.path!r} left by {owner}, which is gone "
+                f"({self.files} file(s), {self.bytes} bytes)")
+
+
+def _owner_record() -> bytes:
+    try:
+        start_time_s = psutil.Process().create_time()
+    except psutil.Error:
+        start_time_s = None
+    return json.dumps({"pid": os.getpid(), "start_time_s": start_time_s}).encode() + b"\n"
+
+
+def _read_owner(fd: int) -> tuple[int | None, float | None]:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return record.get("pid"), record.get("start_time_s")
+    except (OSError, ValueError, AttributeError):
+        return None, None
+
+
+def _contents(path: str) -> tuple[int, int]:
+    """(files other than the owner lock, their bytes) under ``path``."""
+    files = total = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            if root == path and name == _OWNER_FILE:
+                continue
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+            files += 1
+    return files, total
+
+
+def remove_stale_page_dirs(flash_dir: str | os.PathLike, *, log: Callable[[str], None] | None = None
+                           ) -> list[StalePageDir]:
+    """Remove the page directories under ``flash_dir`` whose owner process is gone; report each on ``log``.
+
+    An owner is gone when nobody holds the ``flock`` on its directory's ``owner.lock``. A directory with a
+    held lock is never touched, whichever process holds it (this one included). A ``.poet-pages-*``
+    directory without a lock file was made before owner marks existed, and is removed; a staging
+    directory is removed only once it is :data:`STAGING_GRACE_S` old. Best effort: a directory that
+    cannot be inspected is left alone, and a missing ``flash_dir`` is not an error here.
+    """
+    if fcntl is None:
+        return []
+    path = os.fspath(flash_dir)
+    try:
+        candidates = [e for e in os.scandir(path)
+                      if e.name.startswith((_DIR_PREFIX, _STAGING_PREFIX)) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    removed: list[StalePageDir] = []
+    for candidate in candidates:
+        stale = _remove_if_stale(candidate.path, staging=candidate.name.startswith(_STAGING_PREFIX))
+        if stale is not None:
+            removed.append(stale)
+            if log is not None:
+                log(stale.describe())
+    return removed
+
+
+def _remove_if_stale(path: str, *, staging: bool) -> StalePageDir | None:
+    if staging:
+        try:
+            if time.time() - os.lstat(path).st_mtime < STAGING_GRACE_S:
+                return None
+        except OSError:
+            return None
+    try:
+        fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDWR)
+    except FileNotFoundError:
+        fd = -1  # no owner recorded
+    except OSError:
+        return None
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # EWOULDBLOCK: a live process holds it
+                return None
+            pid, start_time_s = _read_owner(fd)
+        else:
+            pid = start_time_s = None
+        files, total = _contents(path)
+        shutil.rmtree(path, ignore_errors=True)  # while holding the lock: no other sweeper races us
+        if os.path.lexists(path):
+            return None
+        return StalePageDir(path, pid, start_time_s, files, total)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _create_owned_directory(flash_dir: str) -> tuple[str, int]:
+    """A new ``.poet-pages-*`` directory in ``flash_dir`` whose owner lock this process holds: (path, lock fd)."""
+    staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=flash_dir)
+    fd = -1
+    made = staging  # where the directory is now (after the rename: its final name)
+    try:
+        fd = os.open(os.path.join(staging, _OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        record = memoryview(_owner_record())
+        while record:
+            record = record[os.write(fd, record):]
+        suffix = os.path.basename(staging)[len(_STAGING_PREFIX):]
+        for attempt in range(100):
+            final = os.path.join(flash_dir, _DIR_PREFIX + (suffix if attempt == 0 else os.urandom(6).hex()))
+            if os.path.lexists(final):
+                continue
+            try:
+                os.rename(staging, final)  # atomic: the page directory appears with its lock already held
+            except OSError as error:
+                if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue
+                raise
+            made = final
+            return final, fd
+        raise FileExistsError(errno.EEXIST, "no free page directory name", flash_dir)
+    except BaseException:  # including an exception from a signal handler
+        shutil.rmtree(made, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
+        raise
+
+
+def _remove_owned_files(path: str) -> None:
+    """Remove a page directory this process owns: its files first, the owner lock last.
+
+    So a sweeper finds either the held lock or nothing, never page files without their lock. Safe to
+    repeat after an interruption (a missing file or directory is not an error).
+    """
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return
+    except OSError:
+        names = []
+    for name in names:
+        if name != _OWNER_FILE:
+            full = os.path.join(path, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                _unlink_quietly(full)
+    _unlink_quietly(os.path.join(path, _OWNER_FILE))
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_owned_directory(path: str, fd: int) -> None:
+    """Remove an owned page directory and release its lock (run by the store's finalizer)."""
+    try:
+        _remove_owned_files(path)
+    finally:
+        os.close(fd)
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view) :]
@@ -80,28 +285,53 @@ class _Page:
 
 
 class FlashPageStore:
-    """Page files for node entries, in a private subdirectory of ``flash_dir``."""
+    """Page files for node entries, in a private subdirectory of ``flash_dir`` marked with this process as owner.
 
-    def __init__(self, flash_dir: str | os.PathLike, *, drop_cache: bool = True):
+    On creation it removes the page directories of processes that are gone (see the module docstring),
+    reporting each on ``log`` (e.g. a function printing to stderr) and in :attr:`stale_removed`.
+    :meth:`close` and :meth:`clear` are idempotent and safe on an exception path; the directory is also
+    removed at interpreter exit if neither ran.
+    """
+
+    def __init__(self, flash_dir: str | os.PathLike, *, drop_cache: bool = True,
+                 log: Callable[[str], None] | None = None):
         check_flash_dir(flash_dir)
         self.flash_dir = os.fspath(flash_dir)
         self.directory: str | None = None  # created at the first page-out, removed when the last page goes
         self.drop_cache = drop_cache
         self.cache_dropped = True  # False once posix_fadvise was unavailable
         self._pages: dict[int, _Page] = {}
+        self._lock_fd = -1  # holds the flock on the directory's owner.lock
+        # Removes the directory and releases the lock if the store is dropped or the interpreter exits unclosed.
+        self._release: weakref.finalize | None = None
         self.bytes_written = 0
         self.bytes_read = 0
         self.closed = False
+        self.stale_removed: list[StalePageDir] = remove_stale_page_dirs(self.flash_dir, log=log)
+
+    @property
+    def stale_removed_count(self) -> int:
+        """Page directories of dead processes this store removed when it was created."""
+        return len(self.stale_removed)
 
     def _ensure_directory(self) -> str:
+        if self.closed:
+            raise PageStoreError(f"the page store on {self.flash_dir!r} is closed")
         if self.directory is None:
             try:
-                self.directory = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self.flash_dir)
+                directory, lock_fd = _create_owned_directory(self.flash_dir)
             except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise FlashFullError(
+                        f"flash dir {self.flash_dir!r} is full: cannot create its page directory "
+                        f"({error.strerror}); free space there or pass a --flash-dir on a larger device"
+                    ) from None
                 raise FlashDirError(
                     f"cannot create files in flash dir {self.flash_dir!r} ({error.strerror}): "
                     "fix its permissions or pass another --flash-dir"
                 ) from None
+            self.directory, self._lock_fd = directory, lock_fd
+            self._release = weakref.finalize(self, _remove_owned_directory, directory, lock_fd)
         return self.directory
 
     # ------------------------------------------------------------------ paging
@@ -213,18 +443,25 @@ class FlashPageStore:
         return self._pages[node].path
 
     def clear(self) -> None:
-        """Delete every page file and temporary file, and the private directory."""
+        """Delete every page file and temporary file, and the private directory. Idempotent."""
         self._pages.clear()
         self._remove_directory()
 
     def close(self) -> None:
-        self.clear()
+        """:meth:`clear`, and refuse further page-outs. Idempotent; safe to call from an exception path."""
         self.closed = True
+        self.clear()
 
     def _remove_directory(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = None
+        # An exception (a signal handler's) may interrupt this: until the files are gone the state stays, so
+        # the next call (the exception path's clear or close) finishes the job; the lock fd is closed once.
+        if self.directory is None:
+            return
+        _remove_owned_files(self.directory)
+        if self._release is not None:
+            self._release.detach()
+        fd, self._lock_fd, self.directory, self._release = self._lock_fd, -1, None, None
+        os.close(fd)
 
     def __enter__(self) -> FlashPageStore:
         return self

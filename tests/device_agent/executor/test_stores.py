@@ -144,7 +144,7 @@ def test_a_really_full_device(tmp_path):
             pages.write(0, "first", _entry(0, x=torch.randn(10_000)))
             with pytest.raises(FlashFullError, match="'second'"):
                 pages.write(1, "second", _entry(1, x=torch.randn(10_000)))
-            assert os.listdir(pages.directory) == [os.path.basename(pages.path_of(0))]
+            assert sorted(os.listdir(pages.directory)) == [os.path.basename(pages.path_of(0)), "owner.lock"]
         assert os.listdir(mount_point) == []
     finally:
         subprocess.run(["umount", str(mount_point)], check=False)
