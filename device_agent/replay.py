@@ -41,6 +41,8 @@ class ReplayTrace:
     recomputes: int
     ram_timeline_bytes: list[int] = field(default_factory=list)  # controlled RAM after each instruction
     compute_counts: dict[int, int] = field(default_factory=dict)  # node -> number of computes
+    peak_flash_bytes: int = 0  # most output bytes on flash at once (payload only, no file overhead)
+    peak_flash_pages: int = 0  # most pages on flash at once
 
 
 def check_schedule_matches(schedule: Schedule, fingerprint: str, node_names: Sequence[str], graph_label: str) -> None:
@@ -78,6 +80,7 @@ def replay(
     on_flash: set[int] = set()
     counts: dict[int, int] = {}
     ram_bytes = peak_ram_bytes = 0
+    flash_bytes = peak_flash_bytes = peak_flash_pages = 0
     page_ins = page_outs = 0
     timeline: list[int] = []
 
@@ -112,6 +115,9 @@ def replay(
                 fail(position, f"{node.name!r} is already on flash")
             on_flash.add(ins.node)
             page_outs += 1
+            flash_bytes += node.output_bytes
+            peak_flash_bytes = max(peak_flash_bytes, flash_bytes)
+            peak_flash_pages = max(peak_flash_pages, len(on_flash))
         elif ins.kind == "page_in":
             if ins.node not in on_flash:
                 fail(position, f"cannot page in {node.name!r}: no copy on flash")
@@ -127,6 +133,8 @@ def replay(
             where.discard(ins.node)
             if ins.location == "ram":
                 ram_bytes -= node.output_bytes
+            else:
+                flash_bytes -= node.output_bytes
         peak_ram_bytes = max(peak_ram_bytes, ram_bytes)
         timeline.append(ram_bytes)
         if ram_budget_bytes is not None and ram_bytes > ram_budget_bytes * (1 + RELATIVE_SLACK):
@@ -150,4 +158,6 @@ def replay(
         recomputes=computes - len(counts),
         ram_timeline_bytes=timeline,
         compute_counts=counts,
+        peak_flash_bytes=peak_flash_bytes,
+        peak_flash_pages=peak_flash_pages,
     )

@@ -17,10 +17,12 @@ from device_agent.executor.page_store import (
     FlashDirError,
     FlashFullError,
     FlashPageStore,
+    FlashSpaceError,
     PageCorruptError,
     PageStoreError,
     StalePageDir,
     check_flash_dir,
+    check_flash_space,
     remove_stale_page_dirs,
 )
 from device_agent.executor.partition import NodeProgram, Partition, PartitionNode
@@ -37,6 +39,7 @@ __all__ = [
     "FlashDirError",
     "FlashFullError",
     "FlashPageStore",
+    "FlashSpaceError",
     "InstructionEvent",
     "InvalidScheduleError",
     "JsonLinesWriter",
@@ -54,6 +57,7 @@ __all__ = [
     "StepSummary",
     "TensorView",
     "check_flash_dir",
+    "check_flash_space",
     "check_schedule",
     "plain_train_step",
     "planned_counts",

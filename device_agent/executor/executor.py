@@ -27,6 +27,7 @@ from device_agent.executor.page_store import (
     FlashPageStore,
     PageStoreError,
     StalePageDir,
+    check_flash_space,
     remove_stale_page_dirs,
 )
 from device_agent.executor.partition import NodeProgram, Partition, unique_by_identity
@@ -34,7 +35,7 @@ from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, 
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.modelled import ModelledEnergyMeter
-from device_agent.replay import RELATIVE_SLACK, ReplayError, check_schedule_matches, replay
+from device_agent.replay import RELATIVE_SLACK, ReplayError, ReplayTrace, check_schedule_matches, replay
 from device_agent.schedule import Schedule
 
 
@@ -80,6 +81,11 @@ def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes
 
     Returns the annotated instruction list the executor runs.
     """
+    return _check_schedule(partition, schedule, ram_budget_bytes=ram_budget_bytes)[0]
+
+
+def _check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes: float | None = None
+                    ) -> tuple[list[_Op], ReplayTrace]:
     try:
         check_schedule_matches(schedule, partition.fingerprint, [n.name for n in partition.nodes], partition.name)
     except ReplayError as error:
@@ -104,11 +110,11 @@ def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes
         return None
 
     try:
-        replay(nodes, schedule.instructions, graph_label=partition.name, ram_budget_bytes=ram_budget_bytes,
-               on_first_compute=executor_rules)
+        trace = replay(nodes, schedule.instructions, graph_label=partition.name, ram_budget_bytes=ram_budget_bytes,
+                       on_first_compute=executor_rules)
     except ReplayError as error:
         raise InvalidScheduleError(f"schedule {error}") from None
-    return _annotate(partition, schedule)
+    return _annotate(partition, schedule), trace
 
 
 def _annotate(partition: Partition, schedule: Schedule) -> list[_Op]:
@@ -219,7 +225,9 @@ class ScheduleExecutor:
 
     Pre-flight, before any training: the schedule is replayed (:func:`check_schedule`); page directories
     that killed runs left in ``flash_dir`` are removed (each reported on ``log`` and listed in
-    :attr:`stale_page_dirs`), also when this schedule does not page.
+    :attr:`stale_page_dirs`), also when this schedule does not page; and when it pages, ``flash_dir``
+    must have free space for the schedule's peak of page files, or FlashSpaceError (a FlashFullError)
+    is raised naming the bytes needed and free.
     """
 
     def __init__(
@@ -237,7 +245,9 @@ class ScheduleExecutor:
     ):
         self.partition = partition
         self.schedule = schedule
-        self.ops = check_schedule(partition, schedule)
+        self.ops, trace = _check_schedule(partition, schedule)
+        self.peak_flash_bytes = trace.peak_flash_bytes  # payload bytes the schedule keeps on flash at once
+        self.flash_needed_bytes = 0  # with page-file overhead; checked against the free space
         self.ram_budget_bytes = float(schedule.ram_budget_bytes or 0.0)
         self.enforce_budget = enforce_budget
         self.events = events if events is not None else EventStream()
@@ -251,6 +261,7 @@ class ScheduleExecutor:
                 raise ExecutorError("the schedule pages to flash: pass a flash directory (--flash-dir)")
             self.pages = FlashPageStore(flash_dir, drop_cache=drop_page_cache, log=log)
             self.stale_page_dirs = self.pages.stale_removed
+            self.flash_needed_bytes = check_flash_space(flash_dir, trace.peak_flash_bytes, trace.peak_flash_pages)
         elif flash_dir is not None:
             self.stale_page_dirs = remove_stale_page_dirs(flash_dir, log=log)
         self._trim = malloc_trim() if return_freed_memory else None

@@ -54,6 +54,9 @@ _OWNER_FILE = "owner.lock"
 # A staging directory younger than this may be one another process is creating right now (between
 # mkdtemp and flock); it becomes a page directory or is gone within microseconds.
 STAGING_GRACE_S = 60.0
+# What a page file adds to its payload: header and trailer (32 bytes), one u64 per storage (allowance
+# for 64 storages), and the rounding of its last block (added per page from the file system's block size).
+PAGE_OVERHEAD_BYTES = _HEADER.size + _TRAILER.size + 64 * _SIZE.size
 
 
 class PageStoreError(RuntimeError):
@@ -66,6 +69,10 @@ class FlashDirError(PageStoreError):
 
 class FlashFullError(PageStoreError):
     """The flash device ran out of space during a page-out."""
+
+
+class FlashSpaceError(FlashFullError):
+    """Before training: the flash device has less free space than the schedule's peak of page files."""
 
 
 class PageCorruptError(PageStoreError):
@@ -262,6 +269,38 @@ def _remove_owned_directory(path: str, fd: int) -> None:
         _remove_owned_files(path)
     finally:
         os.close(fd)
+
+
+def flash_space_needed_bytes(flash_dir: str | os.PathLike, peak_page_bytes: int, peak_pages: int) -> int:
+    """Free bytes ``flash_dir`` needs to hold ``peak_pages`` page files of ``peak_page_bytes`` payload at once.
+
+    Adds each page's header, trailer and last partial block, and two blocks for the directory and its
+    owner lock file.
+    """
+    try:
+        block_bytes = os.statvfs(os.fspath(flash_dir)).f_frsize or 4096
+    except (OSError, AttributeError):
+        block_bytes = 4096
+    if peak_pages <= 0:
+        return 0
+    return int(peak_page_bytes) + peak_pages * (PAGE_OVERHEAD_BYTES + block_bytes) + 2 * block_bytes
+
+
+def check_flash_space(flash_dir: str | os.PathLike, peak_page_bytes: int, peak_pages: int) -> int:
+    """Raise FlashSpaceError unless ``flash_dir`` has room for the schedule's peak of page files; returns the need."""
+    path = os.fspath(flash_dir)
+    needed = flash_space_needed_bytes(path, peak_page_bytes, peak_pages)
+    if needed == 0:
+        return 0
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise FlashSpaceError(
+            f"flash dir {path!r} has {free} bytes free, but the schedule keeps up to {peak_pages} page(s) of "
+            f"{peak_page_bytes} bytes on flash at once ({needed} bytes with page headers and block rounding): "
+            "free space there, pass a --flash-dir on a larger device, or solve with a larger RAM budget "
+            "(or --no-paging) so less is paged"
+        )
+    return needed
 
 
 def _write_all(fd: int, view: memoryview) -> None:
