@@ -27,7 +27,13 @@ from device_agent.executor.page_store import (
 )
 from device_agent.executor.partition import NodeProgram, Partition, PartitionNode
 from device_agent.executor.ram_store import Entry, EntryBuilder, RamStore, TensorView
-from device_agent.executor.telemetry import EventStream, InstructionEvent, JsonLinesWriter, StepSummary
+from device_agent.executor.telemetry import (
+    EventStream,
+    InstructionEvent,
+    JsonLinesWriter,
+    StepSummary,
+    StepTotals,
+)
 
 __all__ = [
     "BudgetExceededError",
@@ -55,6 +61,7 @@ __all__ = [
     "StepResult",
     "StalePageDir",
     "StepSummary",
+    "StepTotals",
     "TensorView",
     "check_flash_dir",
     "check_flash_space",

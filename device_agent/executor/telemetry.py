@@ -2,18 +2,28 @@
 
 Calibration fits cost models to these events, so they carry raw measurements: durations from
 ``time.perf_counter`` around the instruction alone, bytes actually moved, and RSS right after it.
+
+The stream holds only the most recent events (a ring of :data:`DEFAULT_CAPACITY`), counts the ones it
+dropped, and aggregates every step summary into :class:`StepTotals`; a long run no longer grows by some
+400 bytes per instruction. Subscribers (the ``--events FILE`` writer, the agent's telemetry) see every
+event as it happens, so a file sink is complete whatever the capacity.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Held events by default: about 25 MB of events, some 300 steps of resnet18_cifar at layer granularity
+# (210 instructions a step), far more than calibration reads from one run.
+DEFAULT_CAPACITY = 65_536
 
-@dataclass
+
+@dataclass(slots=True)
 class InstructionEvent:
     step: int
     position: int  # index of the instruction in the schedule
@@ -34,7 +44,7 @@ class InstructionEvent:
         return asdict(self)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepSummary:
     step: int
     duration_s: float
@@ -70,28 +80,104 @@ class StepSummary:
 Event = InstructionEvent | StepSummary
 
 
-class EventStream:
-    """Keeps events (unless ``keep`` is False) and hands each to the subscribers as it happens."""
+@dataclass
+class StepTotals:
+    """Every step summary the stream saw, aggregated: sums, maxima, first and last loss."""
 
-    def __init__(self, keep: bool = True) -> None:
-        self.keep = keep
-        self.events: list[Event] = []
+    steps: int = 0
+    instructions: int = 0  # instruction events seen (held or dropped)
+    duration_s: float = 0.0
+    compute_s: float = 0.0
+    paging_s: float = 0.0
+    optimizer_s: float = 0.0
+    cpu_s: float = 0.0
+    energy_j: float = 0.0  # over the steps that had an energy figure
+    energy_steps: int = 0
+    computes: int = 0
+    recomputes: int = 0
+    page_ins: int = 0
+    page_outs: int = 0
+    frees: int = 0
+    bytes_paged_out: int = 0
+    bytes_paged_in: int = 0
+    peak_tracked_bytes: int = 0  # maximum over steps
+    rss_peak_bytes: int = 0  # maximum over steps
+    first_loss: float | None = None
+    last_loss: float | None = None
+
+    def add(self, summary: StepSummary) -> None:
+        self.steps += 1
+        for name in ("duration_s", "compute_s", "paging_s", "optimizer_s", "cpu_s", "computes", "recomputes",
+                     "page_ins", "page_outs", "frees", "bytes_paged_out", "bytes_paged_in"):
+            setattr(self, name, getattr(self, name) + getattr(summary, name))
+        if summary.energy_j is not None:
+            self.energy_j += summary.energy_j
+            self.energy_steps += 1
+        self.peak_tracked_bytes = max(self.peak_tracked_bytes, summary.peak_tracked_bytes)
+        self.rss_peak_bytes = max(self.rss_peak_bytes, summary.rss_peak_bytes)
+        if self.first_loss is None:
+            self.first_loss = summary.loss
+        self.last_loss = summary.loss
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EventStream:
+    """Hands each event to the subscribers as it happens; holds the latest ``capacity`` of them.
+
+    ``capacity=None`` holds every event (unbounded: for short runs only); ``keep=False`` (or capacity 0)
+    holds none. :attr:`dropped` counts the events emitted but no longer held; :attr:`totals` aggregates
+    every step summary, held or not.
+    """
+
+    def __init__(self, keep: bool = True, capacity: int | None = DEFAULT_CAPACITY) -> None:
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be at least 0, got {capacity}")
+        self.capacity = capacity if keep else 0
+        self._held: deque[Event] = deque(maxlen=self.capacity)
+        self.emitted = 0
+        self.totals = StepTotals()
         self._subscribers: list[Callable[[Event], None]] = []
+
+    @property
+    def keep(self) -> bool:
+        return self.capacity != 0
+
+    @property
+    def events(self) -> list[Event]:
+        """The held events, oldest first."""
+        return list(self._held)
+
+    @property
+    def held(self) -> int:
+        """How many events the ring holds now (at most ``capacity``)."""
+        return len(self._held)
+
+    @property
+    def dropped(self) -> int:
+        """Events emitted that the ring no longer holds."""
+        return self.emitted - len(self._held)
 
     def subscribe(self, callback: Callable[[Event], None]) -> None:
         self._subscribers.append(callback)
 
     def emit(self, event: Event) -> None:
-        if self.keep:
-            self.events.append(event)
+        self.emitted += 1
+        if isinstance(event, StepSummary):
+            self.totals.add(event)
+        else:
+            self.totals.instructions += 1
+        if self.capacity != 0:
+            self._held.append(event)
         for callback in self._subscribers:
             callback(event)
 
     def instructions(self) -> list[InstructionEvent]:
-        return [e for e in self.events if isinstance(e, InstructionEvent)]
+        return [e for e in self._held if isinstance(e, InstructionEvent)]
 
     def steps(self) -> list[StepSummary]:
-        return [e for e in self.events if isinstance(e, StepSummary)]
+        return [e for e in self._held if isinstance(e, StepSummary)]
 
 
 class JsonLinesWriter:

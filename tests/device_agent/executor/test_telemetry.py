@@ -7,7 +7,7 @@ import json
 import psutil
 import pytest
 
-from device_agent.executor import EventStream, JsonLinesWriter, ScheduleExecutor
+from device_agent.executor import EventStream, InstructionEvent, JsonLinesWriter, ScheduleExecutor
 from device_agent.meters.memory import PeakRssSampler, RssSampler
 from device_agent.meters.modelled import SOURCE, ModelledEnergyMeter
 from tests.device_agent.executor.helpers import case, schedule_for
@@ -79,3 +79,48 @@ def test_modelled_energy_is_cpu_time_times_power():
     energy_j, cpu_s = meter.energy_j(start, end, paging_s=0.5)
     assert cpu_s == pytest.approx(3.0)
     assert energy_j == pytest.approx(3.0 * 8.0 / 4 + 0.5 * 2.0)
+
+
+def test_the_stream_holds_a_bounded_ring_while_the_file_gets_every_event(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "mixed")
+    capacity, steps = 40, 30
+    events = EventStream(capacity=capacity)
+    lines = tmp_path / "events.jsonl"
+    writer = JsonLinesWriter(lines)
+    events.subscribe(writer)
+    held = []
+    events.subscribe(lambda event: held.append(events.held))
+    flash = tmp_path / "flash"
+    flash.mkdir()
+    current.reset()
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(flash), events=events) as executor:
+        for _ in range(steps):
+            executor.train_step(current.bundle.inputs, current.bundle.labels)
+    writer.close()
+
+    per_step = len(schedule.instructions) + 1  # every instruction, then the step summary
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert len(records) == steps * per_step > 10 * capacity  # the file has every event
+    assert max(held) == capacity == events.held  # memory held never grew past the ring
+    assert events.emitted == len(records) and events.dropped == len(records) - capacity
+    assert [e.to_dict() for e in events.events] == records[-capacity:]  # the ring holds the latest ones
+
+    step_records = [r for r in records if r["type"] == "step"]
+    totals = events.totals  # every step, aggregated, although most summaries were dropped
+    assert len(events.steps()) < steps == totals.steps == len(step_records)
+    assert totals.instructions == steps * len(schedule.instructions)
+    for name in ("computes", "recomputes", "page_ins", "page_outs", "bytes_paged_out", "bytes_paged_in"):
+        assert getattr(totals, name) == sum(r[name] for r in step_records) > 0
+    assert totals.duration_s == pytest.approx(sum(r["duration_s"] for r in step_records))
+    assert totals.peak_tracked_bytes == max(r["peak_tracked_bytes"] for r in step_records)
+    assert (totals.first_loss, totals.last_loss) == (step_records[0]["loss"], step_records[-1]["loss"])
+
+
+def test_a_stream_that_keeps_nothing_still_feeds_its_subscribers():
+    events = EventStream(keep=False)
+    seen = []
+    events.subscribe(seen.append)
+    for position in range(5):
+        events.emit(InstructionEvent(0, position, "free", 1, "n", "fwd", "ram", 0.0, 0, 0, 0))
+    assert len(seen) == 5 and events.held == 0 and events.events == [] and events.dropped == 5
