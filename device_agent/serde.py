@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from device_agent import protos
 from device_agent.fileio import atomic_write_text
 from device_agent.schedule import (
+    SCHEDULE_FORMAT_VERSION,
     Instruction,
     Prediction,
     Schedule,
@@ -100,9 +101,32 @@ def write_schedule_file(schedule: Schedule, path: str | os.PathLike) -> None:
 
 
 def read_schedule_file(path: str | os.PathLike) -> Schedule:
+    """Read a schedule file written by :func:`write_schedule_file`; refuse what this version cannot check or run."""
     source = Path(path)
     try:
         text = source.read_text()
     except OSError as error:
         raise ScheduleFormatError(f"cannot read schedule file {source}: {error.strerror}") from None
-    return schedule_from_json(text, source=str(source))
+    schedule = schedule_from_json(text, source=str(source))
+    check_schedule_file(schedule, str(source))
+    return schedule
+
+
+def check_schedule_file(schedule: Schedule, source: str) -> None:
+    """A schedule file must be one (not `{}`), of a format version this code reads, with a graph fingerprint."""
+    if not schedule.format_version and not schedule.nodes and not schedule.instructions:
+        raise ScheduleFormatError(
+            f"{source} is not a schedule: it has no format_version, nodes or instructions "
+            "(write one with `poet solve --out FILE`)"
+        )
+    if schedule.format_version != SCHEDULE_FORMAT_VERSION:
+        found = f"format_version {schedule.format_version}" if schedule.format_version else "no format_version"
+        raise ScheduleFormatError(
+            f"{source} has {found}; this poet-edge reads format_version {SCHEDULE_FORMAT_VERSION}: "
+            "solve the schedule again with this version"
+        )
+    if not schedule.graph_fingerprint:
+        raise ScheduleFormatError(
+            f"{source} has no graph_fingerprint, so it cannot be checked against the model it is run on: "
+            "solve the schedule again with `poet solve --out`"
+        )
