@@ -12,6 +12,8 @@ The callable is imported and called with no arguments. It may return
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -102,7 +104,7 @@ def _resolve_callable(spec: str) -> Callable[[], Any]:
             "e.g. mypkg.models:make_net"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_here(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
@@ -128,6 +130,25 @@ def _resolve_callable(spec: str) -> Callable[[], Any]:
     if not callable(target):
         raise ModelSourceError(f"{spec!r} names a {type(target).__name__}, not a callable model factory")
     return target
+
+
+def _import_from_here(module_name: str):
+    """Import ``module_name``; when it is not found, look in the current directory too.
+
+    The `poet` console script's ``sys.path`` starts with its own bin directory, not the current one, so
+    ``--model mymodel:make`` run next to ``mymodel.py`` would not find it. The current directory is
+    appended (never prepended: it must not shadow installed packages) only when the import fails.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        here = os.getcwd()
+        top = module_name.partition(".")[0]
+        if error.name != top or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
 
 
 def _bundle_from_parts(
