@@ -217,6 +217,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 
 
 # Relative tolerance between the solver's objective, its columns' objective and the validated energy.
+# A larger disagreement is trusted only when the validated energy is still within the gap of the bound.
 OBJECTIVE_AGREEMENT_RTOL = 1e-6
 
 
@@ -262,19 +263,26 @@ def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_
         disagreements.append(f"the solver reported {result.objective:.9g} J but its columns cost {columns_j:.9g} J")
     if abs(report.energy_j - columns_j) > OBJECTIVE_AGREEMENT_RTOL * scale_j:
         disagreements.append(f"the columns cost {columns_j:.9g} J but the validator replays {report.energy_j:.9g} J")
-    status, gap, message = result.status, result.gap, result.message
+    # The gap that is actually proven: the validated energy against the solver's lower bound.
+    proven_gap = None
+    if result.bound is not None:
+        proven_gap = max(0.0, (report.energy_j - result.bound) / max(1e-12, abs(report.energy_j)))
+    status, message = result.status, result.message
+    gap = proven_gap if proven_gap is not None else (None if disagreements else result.gap)
     if disagreements:
-        status = "untrusted"
         message = "; ".join(disagreements)
-    elif status == "feasible" and result.bound is not None:
-        gap = max(0.0, (report.energy_j - result.bound) / max(1e-12, abs(report.energy_j)))
-        schedule.solve.gap = gap
+    if status == "optimal" and (proven_gap is None or proven_gap > options.mip_gap + OBJECTIVE_AGREEMENT_RTOL):
+        if disagreements or proven_gap is not None:
+            status = "untrusted"  # the proof does not cover the schedule that was returned
+            if not disagreements:
+                message = (f"the validated energy {report.energy_j:.9g} J is {proven_gap:.3g} above the bound "
+                           f"{result.bound:.9g} J, more than the gap {options.mip_gap:g}")
     if result.interrupted:
         message = "interrupted: the best schedule found so far" + (f" ({message})" if disagreements else "")
-        if status == "untrusted":
-            status, gap = "feasible", None
-            schedule.solve.gap = 0.0
-        schedule.solve.status = status
+        if status in ("untrusted", "optimal"):
+            status = "feasible"
+    schedule.solve.status = status if status != "untrusted" else "feasible"
+    schedule.solve.gap = gap or 0.0
     return SolveResult(status, schedule, report, report.energy_j, gap, elapsed, message=message, plan=plan, **common)
 
 
