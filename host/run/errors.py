@@ -1,0 +1,48 @@
+"""Errors of the public API whose message is a complete, user-facing explanation."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """A bad argument: the message names it, says what was wrong and what is accepted."""
+
+
+class SolveFailedError(RuntimeError):
+    """Training needed a schedule and the solver returned none (``status`` is infeasible, timeout or error)."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(f"no schedule ({status}): {message}")
+        self.status = status
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types whose message already explains the problem and the fix (no traceback needed)."""
+    from device_agent.executor import ExecutorError, PageStoreError
+    from device_agent.serde import ScheduleFormatError
+    from host.costs.profile import ProfileError
+    from host.graph.model_source import ModelSourceError
+    from host.graph.poet2022 import UnknownPoet2022ModelError
+    from host.graph.resolve import UnknownModelNameError
+    from host.graph.training_graph import GraphError
+    from host.graph.zoo import UnknownModelError
+    from host.solver.backends import UnknownSolverError
+    from host.solver.solve import BudgetError
+    from host.solver.validator import ScheduleValidationError
+
+    errors: list[type[BaseException]] = [
+        InputError, ProfileError, ModelSourceError, UnknownPoet2022ModelError, UnknownModelNameError, GraphError,
+        UnknownModelError, UnknownSolverError, BudgetError, ScheduleFormatError, ScheduleValidationError,
+        ExecutorError, PageStoreError,
+    ]
+    optional = (
+        ("host.graph.trace", "TraceError"),
+        ("host.costs.local_bench", "LocalBenchError"),
+        ("host.solver.backends.pulp_backend", "SolverUnavailableError"),
+    )
+    for module_name, name in optional:  # modules with optional dependencies
+        try:
+            module = __import__(module_name, fromlist=[name])
+        except ImportError:
+            continue
+        errors.append(getattr(module, name))
+    return tuple(errors)

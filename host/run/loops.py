@@ -1,0 +1,159 @@
+"""Training loops: steps under a schedule (the executor) and plain PyTorch steps, with their measurements."""
+
+from __future__ import annotations
+
+import math
+import platform as platform_module
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from host.run.errors import InputError
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass
+class StepProgress:
+    """One finished training step, for progress displays."""
+
+    label: str  # "train" (under the schedule) or "plain"
+    step: int  # 1-based
+    steps: int
+    loss: float
+    step_s: float
+
+
+ProgressFn = Callable[[Any], None]
+
+
+@dataclass
+class RunResult:
+    """What one training run measured, per step (energy labelled by ``energy_source``)."""
+
+    losses: list[float]
+    step_s: list[float]
+    energy_j: list[float]
+    energy_source: str
+    peak_tracked_bytes: int = 0
+    executed: list[dict] = field(default_factory=list)  # per-step instruction counts (scheduled runs)
+    rss_peak_bytes: int = 0
+    program_runs: int = 0
+    backward_runs: int = 0
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+
+def make_optimizer(name: str, parameters, lr: float | None = None):
+    """SGD (momentum 0.9, lr 0.01) or AdamW (lr 1e-3) over ``parameters``."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=0.01 if lr is None else lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=1e-3 if lr is None else lr)
+    raise InputError(f"optimizer: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def local_energy_meter(profile=None):
+    """The modelled meter for this machine: the local profile's powers, or local_bench's assumptions."""
+    import torch
+
+    from device_agent.meters.modelled import ModelledEnergyMeter
+    from host.costs import local_bench
+
+    threads = torch.get_num_threads()
+    if profile is not None and profile.energy_source == local_bench.ENERGY_SOURCE:
+        return ModelledEnergyMeter(profile.compute_power_w, profile.memory_power_w, threads)
+    machine = platform_module.machine().lower()
+    key = machine if machine in local_bench._CPU_POWER_PER_THREAD_W else local_bench._FALLBACK_MACHINE
+    return ModelledEnergyMeter(
+        local_bench._CPU_POWER_PER_THREAD_W[key] * threads, local_bench._STORAGE_POWER_W[key], threads
+    )
+
+
+def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int,
+                    flash_dir: str, profile=None, events=None, progress: ProgressFn | None = None,
+                    return_freed_memory: bool = False) -> RunResult:
+    """``steps`` steps of ``bundle``'s model under ``schedule`` (``bundle.module`` must be the traced one).
+
+    Page files live in a private directory under ``flash_dir``; the executor removes it on the way out,
+    also when a step raises (Ctrl-C, SIGTERM).
+    """
+    import torch
+
+    from device_agent.executor import ScheduleExecutor
+
+    optimizer = make_optimizer(optimizer_name, bundle.module.parameters(), lr)
+    meter = local_energy_meter(profile)
+    torch.manual_seed(seed)
+    result = RunResult([], [], [], meter.source)
+    with ScheduleExecutor(partition, schedule, flash_dir=flash_dir, events=events, energy_meter=meter,
+                          return_freed_memory=return_freed_memory) as executor:
+        for step in range(steps):
+            outcome = executor.train_step(bundle.inputs, bundle.labels, optimizer)
+            summary = outcome.summary
+            result.losses.append(outcome.loss)
+            result.step_s.append(outcome.duration_s)
+            result.energy_j.append(summary.energy_j)
+            result.peak_tracked_bytes = max(result.peak_tracked_bytes, outcome.peak_tracked_bytes)
+            result.executed.append(outcome.counters.plan_counts())
+            result.rss_peak_bytes = max(result.rss_peak_bytes, summary.rss_peak_bytes)
+            result.program_runs += summary.program_runs
+            result.backward_runs += summary.backward_runs
+            if progress is not None:
+                progress(StepProgress("train", step + 1, steps, outcome.loss, outcome.duration_s))
+    return result
+
+
+def train_plain(bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int, profile=None,
+                progress: ProgressFn | None = None) -> RunResult:
+    """Ordinary eager PyTorch training of ``bundle`` (the comparison and the reference)."""
+    import torch
+
+    from device_agent.executor import plain_train_step
+    from device_agent.meters.memory import RssSampler
+
+    optimizer = make_optimizer(optimizer_name, bundle.module.parameters(), lr)
+    meter = local_energy_meter(profile)
+    bundle.module.train()
+    torch.manual_seed(seed)
+    result = RunResult([], [], [], meter.source)
+    rss = RssSampler()
+    for step in range(steps):
+        start = meter.read()
+        loss = plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
+        end = meter.read()
+        energy_j, _ = meter.energy_j(start, end)
+        result.losses.append(loss)
+        result.step_s.append(end.wall_s - start.wall_s)
+        result.energy_j.append(energy_j)
+        result.rss_peak_bytes = max(result.rss_peak_bytes, rss.rss_bytes())
+        if progress is not None:
+            progress(StepProgress("plain", step + 1, steps, loss, end.wall_s - start.wall_s))
+    return result
+
+
+def parameter_differences(module_a, module_b) -> dict[str, Any]:
+    """Max absolute and relative (per tensor: max |a-b| / max |b|) differences of parameters and buffers."""
+    import torch
+
+    max_abs = max_rel = 0.0
+    bitwise = True
+    worst = ""
+    pairs = list(zip(module_a.named_parameters(), module_b.named_parameters(), strict=True))
+    pairs += list(zip(module_a.named_buffers(), module_b.named_buffers(), strict=True))
+    for (name, a), (_, b) in pairs:
+        if torch.equal(a, b):
+            continue
+        bitwise = False
+        diff = float((a.detach().double() - b.detach().double()).abs().max())
+        scale = float(b.detach().double().abs().max())
+        rel = diff / scale if scale > 0 else math.inf
+        max_abs = max(max_abs, diff)
+        if rel > max_rel:
+            max_rel, worst = rel, name
+    return {"max_abs_param_diff": max_abs, "max_rel_param_diff": max_rel, "bitwise_equal": bitwise, "worst": worst}

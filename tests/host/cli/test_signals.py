@@ -1,0 +1,71 @@
+"""SIGTERM (systemd, docker stop, timeout) and Ctrl-C stop training cleanly: pages removed, exit 143 / 130."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from device_agent.serde import read_schedule_file
+from host.cli.common import EXIT_INTERRUPTED, EXIT_TERMINATED
+from tests.host.cli.helpers import POET, one_json_object, test_env
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, EXIT_TERMINATED), (signal.SIGINT, EXIT_INTERRUPTED)])
+def test_a_signal_during_training_removes_the_pages(tmp_path, signum, exit_code):
+    flash = tmp_path / "flash"
+    flash.mkdir()
+    process = subprocess.Popen(
+        [str(POET), "train", "--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--steps", "100000",
+         "--flash-dir", str(flash)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env(),
+    )
+    try:
+        deadline = time.monotonic() + 300
+        for line in process.stderr:  # the first step's progress line: training (and paging) has started
+            if "1/100000" in line:
+                break
+            assert time.monotonic() < deadline, "training did not start"
+        else:
+            pytest.fail(f"poet train ended before training: {process.wait()}")
+        time.sleep(0.5)  # some steps into training: each pages out and back in
+        process.send_signal(signum)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == exit_code, rest
+    assert ("terminated" if signum == signal.SIGTERM else "interrupted") in rest
+    assert "Traceback" not in rest
+    assert os.listdir(flash) == [], os.listdir(flash)  # no page directory, no staging directory
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED)])
+def test_a_signal_during_a_solve_keeps_the_incumbent(tmp_path, signum, exit_code):
+    """Stopped while solving: the best schedule so far is reported (marked interrupted) and written."""
+    out = tmp_path / "r18.schedule.json"
+    process = subprocess.Popen(
+        [str(POET), "solve", "--model", "poet2022:resnet18_cifar", "--platform", "m4", "--ram-budget", "737719",
+         "--runtime-budget", "1.5", "--json", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env(),
+    )
+    try:
+        for line in process.stderr:  # phases are printed as they begin
+            if line.split()[:1] == ["solving"]:
+                break
+        else:
+            pytest.fail(f"poet solve ended before solving: {process.wait()}")
+        time.sleep(3)
+        process.send_signal(signum)
+        stdout, rest = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == exit_code, rest
+    summary = one_json_object(stdout)
+    assert summary["interrupted"] is True and summary["status"] == "feasible", summary
+    assert summary["peak_ram_bytes"] <= 737719 and summary["schedule_file"] == str(out)
+    assert read_schedule_file(out).instructions
