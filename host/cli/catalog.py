@@ -88,10 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              description="Measure this machine's compute and paging speeds and write a platform "
                                          "profile for --platform.")
     profile.add_argument("--local", action="store_true", required=True, help="measure this machine (required)")
-    profile.add_argument("--flash-dir", type=directory_path, default=".",
+    profile.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR",
                          help="directory on the storage to page to; created if missing (default: current directory)")
     profile.add_argument("--name", default="local", help="the profile's name (default: local)")
-    profile.add_argument("--out", type=file_path, help="profile file to write (default: <name>.profile.json)")
+    profile.add_argument("--out", type=file_path, metavar="FILE", help="profile file to write (default: <name>.profile.json)")
     profile.add_argument("--quick", action="store_true", help="a short run of a few seconds (default: a full run)")
     add_json_arg(profile)
     profile.set_defaults(func=cmd_profile)

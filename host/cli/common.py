@@ -108,25 +108,28 @@ file_path = _not_an_existing("file", os.path.isfile)
 
 
 # ---------------------------------------------------------------------------------------- argument groups
-RAM_BUDGET_HELP = ("bytes (3000000), with a unit (3MB, 2.5MiB), or a share of the no-remat peak, the controlled "
-                   "RAM of plain training (50%%)")
+RAM_BUDGET_HELP = ("bytes (3000000), a size with a unit (3MB, 2.5MiB), or a percentage of the no-remat peak, the "
+                   "controlled RAM plain training needs (50%% = half of it)")
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, platform_help: str | None = None) -> None:
+MODEL_HELP = ("zoo name (see `poet models`), poet2022:<name> (the paper's reference graph), or package.module:factory "
+              "(importable from the current directory)")
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, platform_help: str | None = None,
+                   model_help: str = MODEL_HELP) -> None:
     """--model, --platform, --input-shape, --batch-size, --granularity."""
-    parser.add_argument("--model", required=True,
-                        help="zoo name (see `poet models`), poet2022:<name> (the paper's reference graph), "
-                             "or package.module:factory (importable from the current directory)")
+    parser.add_argument("--model", required=True, help=model_help)
     if platform_help is None:
         parser.add_argument("--platform", required=True,
                             help="shipped platform name (see `poet platforms`), a profile .json file, or local "
                                  "(measure this machine)")
     else:
         parser.add_argument("--platform", default=None, help=platform_help)
-    parser.add_argument("--input-shape", type=input_shape,
+    parser.add_argument("--input-shape", type=input_shape, metavar="SHAPE",
                         help="for a module:factory returning a bare nn.Module: the input's shape, batch first, "
                              "e.g. 32,64 (default: none)")
-    parser.add_argument("--batch-size", type=positive_int,
+    parser.add_argument("--batch-size", type=positive_int, metavar="N",
                         help="batch size of a zoo or poet2022 model, >= 1 (default: the model's)")
     parser.add_argument("--granularity", default="layer", choices=["layer", "block", "op"],
                         help="how traced ops are grouped into schedulable nodes (default: layer)")
@@ -135,7 +138,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, platform_help: str | None
 def add_solver_args(parser: argparse.ArgumentParser, *, runtime_default: float = 1.2,
                     time_limit_default: float = DEFAULT_TIME_LIMIT_S, threads: bool = True) -> None:
     """--runtime-budget, --solver, --formulation, --time-limit, --solve-threads."""
-    parser.add_argument("--runtime-budget", type=runtime_factor, default=runtime_default,
+    parser.add_argument("--runtime-budget", type=runtime_factor, default=runtime_default, metavar="FACTOR",
                         help="allowed runtime as a factor of the plain forward+backward runtime, >= 1.0 "
                              f"(default {runtime_default:g}: {100 * (runtime_default - 1):.0f}%% extra)")
     parser.add_argument("--solver", default="highs", choices=["highs", "cbc", "gurobi"],

@@ -146,14 +146,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="Solve the energy-optimal training schedule (what to keep, recompute and "
                                        "page to flash) of a model on a platform, under a RAM and a runtime budget.")
     add_model_args(solve)
-    solve.add_argument("--ram-budget", type=ram_budget, required=True,
+    solve.add_argument("--ram-budget", type=ram_budget, required=True, metavar="BUDGET",
                        help="RAM for the controlled tensors (activations, their gradients, paged-in buffers): "
                             + RAM_BUDGET_HELP)
     add_solver_args(solve)
     add_ablation_args(solve)
     solve.add_argument("--paging-in-runtime", action="store_true",
                        help="count paging time in the runtime budget (default: not counted, as in the paper)")
-    solve.add_argument("--mip-gap", type=mip_gap, default=1e-3,
+    solve.add_argument("--mip-gap", type=mip_gap, default=1e-3, metavar="GAP",
                        help="relative gap that counts as optimal, in [0, 1] (default 0.001 = 0.1%%)")
     add_json_arg(solve)
     solve.add_argument("--plot", metavar="DIR", type=directory_path,
@@ -169,7 +169,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "its ablations, and the baselines.")
     add_model_args(sweep)
     add_solver_args(sweep, threads=False)
-    sweep.add_argument("--points", type=int_at_least(2), default=6, help="number of RAM budgets, >= 2 (default 6)")
+    sweep.add_argument("--points", type=int_at_least(2), default=6, metavar="N", help="number of RAM budgets, >= 2 (default 6)")
     add_json_arg(sweep)
     sweep.add_argument("--plot", metavar="DIR", type=directory_path,
                        help="write a PNG of the frontier to this directory, created if missing (default: no plot)")

@@ -152,24 +152,26 @@ THREADS_HELP = "torch CPU threads, >= 1 (default: torch's choice)"
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
     """The flags train and verify share."""
-    add_model_args(parser, platform_help="the platform to solve and price for: a shipped name, a profile .json, or "
+    add_model_args(parser, model_help="zoo name (see `poet models`) or package.module:factory (importable from the "
+                                      "current directory)",
+                   platform_help="the platform to solve and price for: a shipped name, a profile .json, or "
                                          "local (default: local, i.e. measure this machine quickly; with "
                                          "--schedule, the platform it was solved for)")
-    parser.add_argument("--ram-budget", type=ram_budget,
+    parser.add_argument("--ram-budget", type=ram_budget, metavar="BUDGET",
                         help="RAM for the controlled tensors: " + RAM_BUDGET_HELP
                              + "; required unless --schedule (default: the schedule's budget)")
     add_solver_args(parser)
     add_ablation_args(parser)
     parser.add_argument("--schedule", metavar="FILE", type=file_path,
                         help="run this schedule (from `poet solve --out`) instead of solving (default: solve here)")
-    parser.add_argument("--flash-dir", type=directory_path, default=".", help=FLASH_DIR_HELP)
+    parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                         help="sgd (momentum 0.9) or adamw (default: sgd)")
-    parser.add_argument("--lr", type=learning_rate, default=None,
+    parser.add_argument("--lr", type=learning_rate, default=None, metavar="LR",
                         help="learning rate, > 0 (default: 0.01 for sgd, 0.001 for adamw)")
-    parser.add_argument("--seed", type=seed_int, default=0,
+    parser.add_argument("--seed", type=seed_int, default=0, metavar="N",
                         help="seed of the weights, the batch and the training RNG, >= 0 (default 0)")
-    parser.add_argument("--threads", type=positive_int, help=THREADS_HELP)
+    parser.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
     parser.add_argument("--allocator", choices=["keep", "default", "return"], default=None,
                         help="freed memory: keep it for reuse (fastest; RSS stays at its high-water mark), leave it "
                              "to glibc's default heuristics, or return it to the OS after every free so RSS follows "
@@ -182,7 +184,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   description="Train a model's real steps on this machine under its POET schedule, "
                                               "paging to --flash-dir; report predicted against measured.")
     _add_run_args(train_parser)
-    train_parser.add_argument("--steps", type=positive_int, default=5, help="training steps, >= 1 (default 5)")
+    train_parser.add_argument("--steps", type=positive_int, default=5, metavar="N", help="training steps, >= 1 (default 5)")
     train_parser.add_argument("--plain", action="store_true",
                               help="ordinary PyTorch training of the same model instead, for comparison")
     train_parser.add_argument("--events", metavar="FILE", type=file_path,
@@ -197,7 +199,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "check parameters, executed counters and the RAM budget (exit 5 if "
                                                "not).")
     _add_run_args(verify_parser)
-    verify_parser.add_argument("--steps", type=positive_int, default=3, help="training steps, >= 1 (default 3)")
+    verify_parser.add_argument("--steps", type=positive_int, default=3, metavar="N", help="training steps, >= 1 (default 3)")
     verify_parser.set_defaults(func=cmd_verify, check=_budget_check(verify_parser))
 
     demo_parser = sub.add_parser("demo", help="profile this machine, solve at 50%% of the no-remat peak, train",
@@ -205,16 +207,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "steps with real paging: predicted against measured.")
     demo_parser.add_argument("--model", default="resnet18_cifar",
                              help="zoo name or package.module:factory (default: resnet18_cifar)")
-    demo_parser.add_argument("--batch-size", type=positive_int, help="batch size, >= 1 (default: the model's)")
-    demo_parser.add_argument("--ram-budget", type=ram_budget, default="50%",
+    demo_parser.add_argument("--batch-size", type=positive_int, metavar="N", help="batch size, >= 1 (default: the model's)")
+    demo_parser.add_argument("--ram-budget", type=ram_budget, default="50%", metavar="BUDGET",
                              help=RAM_BUDGET_HELP + " (default: 50%%)")
-    demo_parser.add_argument("--runtime-budget", type=runtime_factor, default=2.0,
+    demo_parser.add_argument("--runtime-budget", type=runtime_factor, default=2.0, metavar="FACTOR",
                              help="allowed runtime as a factor of the plain forward+backward runtime, >= 1.0 "
                                   "(default 2.0)")
     demo_parser.add_argument("--time-limit", type=seconds, default=DEMO_TIME_LIMIT_S, metavar="SECONDS",
                              help=f"solver time limit in seconds (default {DEMO_TIME_LIMIT_S:g} s)")
-    demo_parser.add_argument("--flash-dir", type=directory_path, default=".", help=FLASH_DIR_HELP)
-    demo_parser.add_argument("--steps", type=positive_int, default=3, help="training steps, >= 1 (default 3)")
-    demo_parser.add_argument("--threads", type=positive_int, help=THREADS_HELP)
+    demo_parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
+    demo_parser.add_argument("--steps", type=positive_int, default=3, metavar="N", help="training steps, >= 1 (default 3)")
+    demo_parser.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
     add_json_arg(demo_parser)
     demo_parser.set_defaults(func=cmd_demo)

@@ -60,7 +60,7 @@ def test_every_option_has_help_that_states_its_default(command, action):
 
 def test_ram_budget_help_says_what_a_share_is_of_and_allocator_names_its_default():
     text = " ".join(poet("train", "--help").stdout.split())
-    assert re.search(r"share of the no-remat peak", text)
+    assert re.search(r"percentage of the no-remat peak, the controlled RAM plain training needs", text)
     assert "default: keep" in text
 
 
