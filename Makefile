@@ -35,7 +35,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check host device_agent tests bench
+	$(BIN)/ruff check poet_edge host device_agent tests bench
 
 bench: setup
 	$(BIN)/python bench/solver.py

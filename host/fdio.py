@@ -8,11 +8,19 @@ reads ``poet ... --json`` sees exactly the result.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 @contextmanager
@@ -51,5 +59,6 @@ def stdout_to_stderr() -> Iterator[TextIO]:
             sys.stdout.flush()  # Python-level writes made meanwhile belong to stderr
         except (OSError, ValueError):
             pass
+        _flush_c_stdio()  # C-level writes buffered meanwhile too, before fd 1 points at stdout again
         os.dup2(saved, 1)
         os.close(saved)

@@ -315,6 +315,8 @@ class ScheduleExecutor:
         self.peak_pinned_bytes = 0
         self.ram.reset_peak()
         self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
+        # The caller holds the batch all step: its bytes are fixed (the trace prices the input node at 0).
+        self.ram.fixed_storages = frozenset(k for t in self._inputs if (k := storage_key(t)) is not None)
         for param in partition.parameters:
             param.grad = None
         with torch.no_grad():  # persistent copies: no allocation per step

@@ -25,8 +25,10 @@ import errno
 import json
 import os
 import shutil
+import signal
 import struct
 import tempfile
+import threading
 import time
 import weakref
 import zlib
@@ -203,7 +205,22 @@ def _remove_if_stale(path: str, *, staging: bool) -> StalePageDir | None:
 
 
 def _create_owned_directory(flash_dir: str) -> tuple[str, int]:
-    """A new ``.poet-pages-*`` directory in ``flash_dir`` whose owner lock this process holds: (path, lock fd)."""
+    """A new ``.poet-pages-*`` directory in ``flash_dir`` whose owner lock this process holds: (path, lock fd).
+
+    Ctrl-C and SIGTERM are held back meanwhile (delivered right after), so a signal handler's
+    exception cannot land between creating the directory and owning it.
+    """
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if in_main_thread else None
+    try:
+        return _create_owned_directory_unmasked(flash_dir)
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _create_owned_directory_unmasked(flash_dir: str) -> tuple[str, int]:
     staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=flash_dir)
     fd = -1
     made = staging  # where the directory is now (after the rename: its final name)

@@ -125,6 +125,8 @@ class RamStore:
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
         self._refs: dict[StorageKey, int] = {}
+        # Storages the caller holds for the whole step (the batch): counted in the fixed bytes, never here.
+        self.fixed_storages: frozenset[StorageKey] = frozenset()
         self.in_use_bytes = 0
         self.peak_bytes = 0
         self.timeline_bytes: list[int] = []  # in-use bytes after every put/drop
@@ -163,7 +165,7 @@ class RamStore:
                 continue
             key = (storage.data_ptr(), nbytes)
             count = self._refs.get(key, 0)
-            if count == 0:
+            if count == 0 and key not in self.fixed_storages:
                 added += nbytes
             self._refs[key] = count + 1
         self._record(added)
@@ -183,7 +185,8 @@ class RamStore:
             count = self._refs[key] - 1
             if count == 0:
                 del self._refs[key]
-                released += nbytes
+                if key not in self.fixed_storages:
+                    released += nbytes
             else:
                 self._refs[key] = count
         self._record(-released)

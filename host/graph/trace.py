@@ -244,6 +244,9 @@ def _training_graph(
 ) -> TrainingGraph:
     """fwd/loss nodes in program order, then bwd nodes from the loss back; records each group's backward."""
     builder = GraphBuilder(bundle.name)
+    # The caller holds the batch for the whole step, so it is fixed bytes, not a node the schedule
+    # could free and "recompute" for free (which would under-report RAM by the batch).
+    batch_bytes, groups[0].output_bytes = groups[0].output_bytes, 0
     for group in groups:
         deps = (
             []
@@ -273,7 +276,7 @@ def _training_graph(
         param_grad_bytes=trainable_bytes,
         optimizer_state_bytes=0,
         other_fixed_bytes=buffer_bytes + frozen_bytes + bundle.labels.numel() * bundle.labels.element_size()
-        + sum(group.pinned_bytes for group in groups),
+        + batch_bytes + sum(group.pinned_bytes for group in groups),
     )
     batch_size = int(bundle.inputs[0].shape[0]) if bundle.inputs and bundle.inputs[0].dim() > 0 else None
     graph.meta.update({"source": "trace", "granularity": granularity, "batch_size": batch_size, "model": bundle.name})

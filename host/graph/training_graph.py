@@ -44,7 +44,7 @@ class TrainingGraph:
     param_bytes: int = 0  # weights
     param_grad_bytes: int = 0  # weight gradients
     optimizer_state_bytes: int = 0  # e.g. AdamW moments; 0 for plain SGD
-    other_fixed_bytes: int = 0  # e.g. labels of the batch
+    other_fixed_bytes: int = 0  # e.g. the batch and its labels, buffers, pinned statistics
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from collections.abc import Callable
@@ -317,13 +316,6 @@ def pareto(
     profile = load_platform(platform, log=log)
     log(f"tracing {source.name}")
     priced = price_graph(source.resolve().graph, profile)
-    extra = {}
-    if settings.formulation != SolveSettings.formulation:
-        # TODO(lead): drop this check once host.solver.pareto.pareto_sweep takes `formulation`.
-        if "formulation" not in inspect.signature(pareto_sweep).parameters:
-            raise InputError(f"formulation: the pareto sweep solves with {SolveSettings.formulation} only, "
-                             f"not yet {settings.formulation!r}")
-        extra["formulation"] = settings.formulation
     rows = pareto_sweep(priced, points=points, runtime_factor=settings.runtime_budget, solver=settings.solver,
-                        time_limit_s=settings.time_limit_s, progress=log, **extra)
+                        time_limit_s=settings.time_limit_s, progress=log, formulation=settings.formulation)
     return ParetoReport(source.name, profile.name, profile.energy_source, settings.runtime_budget, rows)

@@ -27,7 +27,9 @@ def pareto_sweep(
     solver: str = "highs",
     time_limit_s: float | None = None,
     progress: Callable[[str], None] | None = None,
+    formulation: str = "poet-edge",
 ) -> list[dict]:
+    """POET (``formulation``: poet-edge or the paper's poet2022), its ablations and the baselines per budget."""
     runtime_budget_s = runtime_factor * priced.base_runtime_s
     baseline_plans = {"plain pytorch (keep all)": keep_all_plan(priced.graph),
                       "checkpoint √n (Chen)": checkpoint_sqrt_n_plan(priced.graph)}
@@ -37,7 +39,8 @@ def pareto_sweep(
             if progress:
                 progress(f"{method} at {budget:,.0f} bytes")
             options = SolveOptions(ram_budget_bytes=budget, runtime_factor=runtime_factor, solver=solver,
-                                   time_limit_s=time_limit_s, **overrides)
+                                   time_limit_s=time_limit_s, formulation=formulation,
+                                   warm_start=formulation == "poet-edge", **overrides)
             result = solve_schedule(priced, options)
             report = result.report
             rows.append(_row(budget, method, result.status, report))

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
-import sys
 import time
-from collections.abc import Iterator
 
 import highspy
 import numpy as np
 
+from host.fdio import stdout_to_stderr
 from host.solver.milp import MilpProblem, MilpResult, ProgressCallback, SolverProgress
 
 _PROGRESS_PERIOD_S = 0.5
@@ -27,33 +23,8 @@ def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) and abs(value) < 1e29 else None
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr for a while: HiGHS prints its banner to the process's stdout.
-
-    C stdio buffers are flushed before fd 1 is restored, so nothing written meanwhile can reach
-    stdout later (a program reading ``poet solve --json`` sees one JSON object and nothing else).
-    """
-    try:
-        stdout_fd = sys.stdout.fileno()
-        stderr_fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # no real descriptors (e.g. captured in-process)
-        yield
-        return
-    sys.stdout.flush()
-    saved_fd = os.dup(stdout_fd)
-    try:
-        os.dup2(stderr_fd, stdout_fd)
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None).fflush(None)
-        os.dup2(saved_fd, stdout_fd)
-        os.close(saved_fd)
-
-
 def _new_highs() -> highspy.Highs:
-    with _stdout_to_stderr():
+    with stdout_to_stderr():  # HiGHS prints its banner on the process's stdout
         return highspy.Highs()
 
 

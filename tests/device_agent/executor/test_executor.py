@@ -272,7 +272,8 @@ def test_keep_all_forward_holds_what_autograd_saves(tmp_path):
     held_after_forward = instructions[first_backward - 1].ram_in_use_bytes
 
     plain = get_model_spec("resnet18_cifar").bundle(2, seed=0)
-    fixed = {t.untyped_storage().data_ptr() for t in (*plain.module.parameters(), *plain.module.buffers(), plain.labels)}
+    held_by_caller = (*plain.module.parameters(), *plain.module.buffers(), plain.labels, *plain.inputs)
+    fixed = {t.untyped_storage().data_ptr() for t in held_by_caller}
     saved: dict[int, int] = {}
 
     def pack(tensor):

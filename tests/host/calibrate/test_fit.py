@@ -18,18 +18,18 @@ from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """mlp (batch 64), a schedule that pages, 4 steps of telemetry."""
+    """mlp (batch 64), a schedule that pages, 6 steps of telemetry."""
     torch.manual_seed(0)
     bundle = get_model_spec("mlp").bundle(64, seed=0)
     traced = trace_model(bundle, granularity="layer")
     priced = price_graph(traced.graph, load_profile("m0"))
-    budget = 0.7 * no_remat_peak_bytes(priced)
+    budget = 0.8 * no_remat_peak_bytes(priced)
     schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, remat=False, time_limit_s=30)).schedule
     assert schedule.counts()["page_outs"] > 0
     events = EventStream()
     flash = tmp_path_factory.mktemp("flash")
     with ScheduleExecutor(partition_from_traced(traced), schedule, flash_dir=str(flash), events=events) as executor:
-        for _ in range(4):
+        for _ in range(6):
             executor.train_step(bundle.inputs, bundle.labels)
     return traced.graph, events.instructions()
 
@@ -48,8 +48,9 @@ def _forward_seconds(profile, graph, events) -> tuple[float, float]:
 def test_calibrated_rates_price_the_measured_forward(measured):
     graph, events = measured
     wrong = load_profile("m0")  # a Cortex-M0's rates: orders of magnitude off for this machine
-    fit_events = [e for e in events if e.step < 3]
-    held_out = [e for e in events if e.step == 3]
+    # step 0 warms up; the solver's worker threads may still be busy right after the solve
+    fit_events = [e for e in events if 1 <= e.step < 4]
+    held_out = [e for e in events if e.step >= 4]
     calibrated = calibrate_profile(wrong, graph, fit_events)
     predicted, actual = _forward_seconds(calibrated, graph, held_out)
     before, _ = _forward_seconds(wrong, graph, held_out)

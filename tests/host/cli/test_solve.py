@@ -88,7 +88,7 @@ def test_a_factory_next_to_the_user_is_found_from_its_directory(tmp_path):
         "from torch import nn\n\n\ndef make():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
     )
     result = poet("solve", "--model", "mynet:make", "--input-shape", "4,8", "--platform", "a72",
-                  "--ram-budget", "90%", "--json", cwd=tmp_path)
+                  "--ram-budget", "100%", "--json", cwd=tmp_path)
     assert result.returncode == EXIT_OK, result.stderr
     assert one_json_object(result.stdout)["model"] == "mynet:make"
 

@@ -113,7 +113,7 @@ def test_residual_graph_structure(residual):
     names = [n.name for n in graph.forward_nodes()]
     assert names == ["input", "conv", "bn", "relu", "conv2", "relu2", "add", "drop", "fc1", "act", "fc2", "loss"]
     assert graph.nodes[0].op_class == "input" and graph.nodes[0].flops == 0
-    assert graph.nodes[0].output_bytes == BATCH * 3 * 4 * 4 * 4
+    assert graph.nodes[0].output_bytes == 0  # the caller holds the batch: fixed bytes (test_fixed_bytes)
     assert graph.nodes[graph.index_of("loss")].kind == "loss"
     assert "bwd:input" not in {n.name for n in graph.nodes}
     bwd_names = [n.name for n in graph.nodes if n.kind == "bwd"]
@@ -173,7 +173,8 @@ def test_fixed_bytes(residual):
     assert graph.optimizer_state_bytes == 0
     pinned = sum(g.pinned_bytes for g in traced.groups)
     assert pinned > 0
-    assert graph.other_fixed_bytes == buffers + BATCH * 8 + pinned
+    batch_bytes = BATCH * 3 * 4 * 4 * 4
+    assert graph.other_fixed_bytes == buffers + BATCH * 8 + batch_bytes + pinned
 
 
 def test_groups_describe_runnable_pieces(residual):
