@@ -77,6 +77,15 @@ class MilpProblem:
         self.row_lb.append(float(lb))
         self.row_ub.append(float(ub))
 
+    def add_row_unit_scaled(self, terms: Sequence[tuple[int, float]], lb: float = -INF, ub: float = INF) -> None:
+        """``add_row`` divided by the row's smallest nonzero |coefficient|.
+
+        Solvers check rows against an absolute tolerance (1e-7 in HiGHS). A row in seconds whose
+        terms are 1e-7 s each would let a whole term through; scaled, a term counts at least 1.
+        """
+        smallest = min((abs(c) for _, c in terms if c != 0.0), default=1.0)
+        self.add_row([(col, c / smallest) for col, c in terms], lb / smallest, ub / smallest)
+
     def objective(self, x: np.ndarray) -> float:
         return float(np.dot(self.col_cost, x) + self.objective_offset)
 

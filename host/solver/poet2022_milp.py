@@ -97,7 +97,7 @@ class Poet2022Formulation:
             if opts.paging_in_runtime:
                 terms += [(MIn[t, i], priced.page_in_s[i]) for t in range(size) for i in range(size)]
                 terms += [(MOut[t, i], priced.page_out_s[i]) for t in range(size) for i in range(size)]
-            p.add_row(terms, ub=opts.runtime_budget_s)
+            p.add_row_unit_scaled(terms, ub=opts.runtime_budget_s)
         if not opts.paging:
             for t in range(size):
                 for i in range(size):

@@ -228,7 +228,7 @@ class PoetFormulation:
             if page_time:
                 terms += [(col, priced.page_in_s[i]) for (t, i), col in v.page_in.items()]
                 terms += [(col, priced.page_out_s[i]) for (t, i), col in v.page_out.items()]
-            problem.add_row(terms, ub=opts.runtime_budget_s - priced.base_runtime_s)
+            problem.add_row_unit_scaled(terms, ub=opts.runtime_budget_s - priced.base_runtime_s)
 
     def _free_var(self, t: int, i: int, k: int, successors_of_i: Iterable[int]) -> int | None:
         """Free[t, i, k] = 1 lets node i's bytes go after computing k; upper bounds make it exact."""

@@ -27,6 +27,8 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
     # needed_at[i]: stages whose computations read node i (directly or through a recompute)
     needed_at: list[set[int]] = [set() for _ in range(size)]
     recomputed_at: list[set[int]] = [set() for _ in range(size)]
+    # Stages are visited in order, so the last stage that needed d before this one is the last recorded.
+    last_needed = list(range(size))
     for stage in range(size):
         stack = list(deps[stage])
         while stack:
@@ -34,8 +36,8 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
             if stage in needed_at[d]:
                 continue
             needed_at[d].add(stage)
-            last_before = max((s for s in needed_at[d] if s < stage), default=d)
-            last_before = max(last_before, d)
+            last_before = last_needed[d]
+            last_needed[d] = stage
             recompute_here = policy[d] == RECOMPUTE or (policy[d] == RECOMPUTE_ONCE and not recomputed_at[d])
             if recompute_here and stage - last_before > 1:
                 recomputed_at[d].add(stage)
@@ -63,19 +65,25 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
             previous = stage
     # A flash copy lives from its page-out to its last page-in.
     for i in range(size):
-        if plan.page_out[:, i].any():
-            first = int(np.flatnonzero(plan.page_out[:, i])[0])
-            last_in = int(np.flatnonzero(plan.page_in[:, i])[-1]) if plan.page_in[:, i].any() else first
-            plan.keep_flash[first + 1 : last_in + 1, i] = True
+        if policy[i] != PAGE or not plan.page_out[:, i].any():
+            continue
+        first = int(np.flatnonzero(plan.page_out[:, i])[0])
+        last_in = int(np.flatnonzero(plan.page_in[:, i])[-1]) if plan.page_in[:, i].any() else first
+        plan.keep_flash[first + 1 : last_in + 1, i] = True
     return plan
 
 
 def model_stage_peaks(plan: StagePlan, priced: PricedGraph) -> np.ndarray:
-    """Peak RAM per stage under the MILP's memory model (host.solver.poet_milp, constraint 5)."""
+    """Peak RAM per stage under the MILP's memory model (host.solver.poet_milp, constraint 5).
+
+    A stage that computes only its own node peaks at what it keeps plus that node's output; only
+    stages with recomputations replay the memory model step by step.
+    """
     graph = priced.graph
-    peaks = np.zeros(graph.size)
-    for t in range(graph.size):
-        start_bytes, events = stage_memory(plan, graph, t)
+    output_bytes = np.array([n.output_bytes for n in graph.nodes], dtype=float)
+    peaks = np.tril(plan.keep_ram, -1) @ output_bytes + output_bytes
+    for t in np.flatnonzero(plan.recompute.sum(axis=1) > 1):
+        start_bytes, events = stage_memory(plan, graph, int(t))
         peaks[t] = max([start_bytes] + [after for _, after, _ in events])
     return peaks
 

@@ -164,12 +164,33 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         remat=options.remat,
         paging_in_runtime=options.paging_in_runtime,
     )
+    candidates: list[tuple[float, StagePlan]] = []
+    if options.warm_start:
+        _report_phase(progress, started, "warm start")
+        candidates = _candidate_plans(priced, options, runtime_budget_s)
+        # Every node is computed at least once, so compute-once energy bounds every schedule from
+        # below; a heuristic plan within the gap of that bound is proven optimal without the MILP.
+        if candidates and options.shortcut_non_binding:
+            energy_j, plan = candidates[0]
+            bound_j = float(priced.compute_j.sum())
+            gap = max(0.0, (energy_j - bound_j) / max(1e-12, abs(energy_j)))
+            if gap <= options.mip_gap:
+                elapsed = time.perf_counter() - started
+                schedule, report = _finish(priced, plan, options, runtime_budget_s, "optimal", "bound",
+                                           "greedy", gap, elapsed)
+                return SolveResult(
+                    "optimal", schedule, report, report.energy_j, gap, elapsed,
+                    message=(f"the greedy schedule is within {gap:.3%} of the compute-once lower bound "
+                             f"{bound_j:.6g} J: optimal within the gap {options.mip_gap:g}"),
+                    plan=plan, **common,
+                )
     _report_phase(progress, started, "building model")
     formulation = FORMULATIONS[options.formulation](priced, formulation_options)
     start = None
-    if options.warm_start:
-        _report_phase(progress, started, "warm start")
-        start = _warm_start(formulation, priced, options, runtime_budget_s)
+    for _energy_j, plan in candidates:
+        start = formulation.start_from_plan(plan)
+        if start is not None:
+            break
     sizes = dict(model_columns=formulation.problem.num_cols, model_rows=formulation.problem.num_rows)
     retries: list[str] = []
     # An answer is tried as given, then without the warm start, then without presolve: a backend
@@ -297,28 +318,26 @@ def _ablation(options: SolveOptions) -> str:
     return "recomputation and paging"
 
 
-def _warm_start(formulation, priced: PricedGraph, options: SolveOptions, runtime_budget_s: float):
-    """The cheapest baseline plan that meets both budgets, as a full MILP start vector."""
-    candidates: list[StagePlan] = []
+def _candidate_plans(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float) -> list[tuple[float, StagePlan]]:
+    """Heuristic plans that meet both budgets, cheapest first, with their validated energy."""
+    plans: list[StagePlan] = []
     greedy = greedy_policy_plan(priced, options.ram_budget_bytes, runtime_budget_s, paging=options.paging,
                                 remat=options.remat, paging_in_runtime=options.paging_in_runtime)
     if greedy is not None:
-        candidates.append(greedy)
+        plans.append(greedy)
     if options.paging:
         try:
-            candidates.append(paging_plan(priced.graph, options.ram_budget_bytes))
+            plans.append(paging_plan(priced.graph, options.ram_budget_bytes))
         except BaselineDoesNotFitError:
             pass
     if options.remat:
-        candidates.append(checkpoint_sqrt_n_plan(priced.graph))
-    best = None
-    for plan in candidates:
+        plans.append(checkpoint_sqrt_n_plan(priced.graph))
+    candidates = []
+    for plan in plans:
         try:
             report = evaluate_plan(plan, priced, ram_budget_bytes=options.ram_budget_bytes,
                                    runtime_budget_s=runtime_budget_s, paging_in_runtime=options.paging_in_runtime)
         except ScheduleValidationError:
             continue
-        start = formulation.start_from_plan(plan)
-        if start is not None and (best is None or report.energy_j < best[0]):
-            best = (report.energy_j, start)
-    return best[1] if best else None
+        candidates.append((report.energy_j, plan))
+    return sorted(candidates, key=lambda candidate: candidate[0])

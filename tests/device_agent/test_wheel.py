@@ -59,7 +59,7 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
     # The host writes a schedule (in the dev environment) while the wheel is built and installed.
     poet = Path(sys.executable).with_name("poet")
     host_solve = subprocess.Popen(
-        [str(poet), "solve", "--model", "mlp", "--platform", "a72", "--ram-budget", "70%", "--out", str(schedule_path)],
+        [str(poet), "solve", "--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--out", str(schedule_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )
     try:
