@@ -98,7 +98,7 @@ def _print_plan(console: Console, summary: dict, instructions: int) -> None:
                   f"paging {summary['paging_j']:.6g} J; {summary['energy_source']})")
     console.print(f"runtime   {summary['runtime_s']:.6g} s of {summary['runtime_budget_s']:.6g} s allowed")
     console.print(f"RAM       peak {format_bytes(summary['peak_ram_bytes'])} of "
-                  f"{format_bytes(summary['ram_budget_bytes'])}; fixed (weights, grads, optimizer) "
+                  f"{format_bytes(summary['ram_budget_bytes'])}; fixed (weights, grads, optimizer, batch, statistics) "
                   f"{format_bytes(summary['fixed_bytes'])}")
     console.print(f"plan      {summary['recomputes']} recomputes, {summary['page_outs']} page-outs, "
                   f"{summary['page_ins']} page-ins, {instructions} instructions (validated)")

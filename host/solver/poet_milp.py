@@ -8,7 +8,8 @@ M_in/M_out page between them; U[t, k] is RAM after computing node k in stage t. 
   the stage's target, or is still needed after stage t, or is an ancestor of such a node (any
   node may be recomputed, backward nodes included, as in the paper). Keeping or paging a node
   that nothing can use any more only costs RAM or energy, so dropping those variables loses no
-  schedule that matters: every optimum of the paper's formulation maps to one here.
+  schedule that matters: every optimum of the paper's formulation maps to one here. A tensor of
+  0 bytes (the batch, which the caller holds) is never recomputed: keeping it costs nothing.
 - U[t, ·] is tracked only at positions where stage t may allocate; elsewhere it cannot rise.
 - The free indicator of edge (i, k) gets disaggregated upper bounds (tighter LP relaxation)
   instead of the big-M pair; freeing only lowers memory, so the solver sets it whenever allowed.
@@ -131,7 +132,7 @@ class PoetFormulation:
             for i in range(t):
                 if not useful[t, i]:
                     continue
-                if opts.remat:
+                if opts.remat and out_bytes[i] > 0:  # a 0-byte tensor is kept for free: never recompute it
                     v.recompute[t, i] = problem.add_var(cost=priced.compute_j[i])
                 v.keep_ram[t, i] = problem.add_var()
             if opts.paging:

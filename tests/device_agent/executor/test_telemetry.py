@@ -111,7 +111,8 @@ def test_the_stream_holds_a_bounded_ring_while_the_file_gets_every_event(tmp_pat
     assert len(events.steps()) < steps == totals.steps == len(step_records)
     assert totals.instructions == steps * len(schedule.instructions)
     for name in ("computes", "recomputes", "page_ins", "page_outs", "bytes_paged_out", "bytes_paged_in"):
-        assert getattr(totals, name) == sum(r[name] for r in step_records) > 0
+        assert getattr(totals, name) == sum(r[name] for r in step_records)
+    assert totals.computes > 0 and totals.page_outs > 0 and totals.bytes_paged_in > 0
     assert totals.duration_s == pytest.approx(sum(r["duration_s"] for r in step_records))
     assert totals.peak_tracked_bytes == max(r["peak_tracked_bytes"] for r in step_records)
     assert (totals.first_loss, totals.last_loss) == (step_records[0]["loss"], step_records[-1]["loss"])
