@@ -21,6 +21,7 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from host.solver.stage_plan import StagePlan  # noqa: E402
+from host.units import byte_unit, format_bytes  # noqa: E402
 
 if TYPE_CHECKING:
     from device_agent.schedule import Schedule
@@ -37,24 +38,10 @@ NOTATION = (
     "into stage t.\nS_SD[t,i]: i's output is kept on flash (SD) into stage t.  "
     "M_out[t,i]: i is paged out (written to flash) in stage t.  M_in[t,i]: i is paged in (read back) in stage t."
 )
-_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 _PAGE_OUT_COLOR = "tab:blue"
 _PAGE_IN_COLOR = "tab:orange"
 _RECOMPUTE_COLOR = "tab:red"
 _BOUNDARY_STYLE = {"color": "tab:green", "linestyle": ":", "linewidth": 1.2}
-
-
-def byte_unit(largest_bytes: float) -> tuple[str, float]:
-    """The unit to show bytes in, and its size: the largest decimal unit not above ``largest_bytes``."""
-    for unit, scale in _UNITS:
-        if abs(largest_bytes) >= scale:
-            return unit, scale
-    return "bytes", 1.0
-
-
-def _format_bytes(value: float) -> str:
-    unit, scale = byte_unit(value)
-    return f"{value / scale:.3g} {unit}" if scale > 1 else f"{value:,.0f} bytes"
 
 
 def backward_start_node(schedule: Schedule) -> int | None:
@@ -142,8 +129,8 @@ def plot_ram_timeline(
     steps = np.arange(len(timeline_bytes))
     axis.step(steps, np.asarray(timeline_bytes, dtype=float) / scale, where="post", label="controlled RAM")
     axis.axhline(ram_budget_bytes / scale, color="tab:red", linestyle="--",
-                 label=f"RAM budget {_format_bytes(ram_budget_bytes)}")  # fmt: skip
-    axis.axhline(peak / scale, color="tab:blue", linestyle=":", linewidth=0.8, label=f"peak {_format_bytes(peak)}")
+                 label=f"RAM budget {format_bytes(ram_budget_bytes, exact=False)}")  # fmt: skip
+    axis.axhline(peak / scale, color="tab:blue", linestyle=":", linewidth=0.8, label=f"peak {format_bytes(peak, exact=False)}")
     axis.set_ylim(0, 1.3 * max(peak, ram_budget_bytes, 1) / scale)  # room above the budget line for notes
     axis.set_xlim(0, max(len(timeline_bytes) - 1, 1))
     top = axis.get_ylim()[1]
@@ -155,7 +142,7 @@ def plot_ram_timeline(
             axis.text(boundary, 0.98 * top, " backward →", ha="left", va="top", color="tab:green", fontsize=9)
         axis.text(
             0.01 * axis.get_xlim()[1], 0.98 * top,
-            f"fixed bytes, outside the budget: {_format_bytes(schedule.fixed_bytes)}\n(weights, weight gradients, optimizer state)",
+            f"fixed bytes, outside the budget: {format_bytes(schedule.fixed_bytes, exact=False)}\n(weights, weight gradients, optimizer state, batch, statistics)",
             ha="left", va="top", fontsize=8.5, bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "0.7"},
         )  # fmt: skip
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8.5, ncol=4, frameon=False)

@@ -12,14 +12,9 @@ import threading
 import time
 from typing import Any, TextIO
 
+from host.units import format_bytes
 
-def format_bytes(value: float, *, exact: bool = True) -> str:
-    """``4.57 MB (4,571,136 bytes)``; ``exact=False`` drops the parenthesis (for table columns)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= scale:
-            short = f"{value / scale:.2f} {unit}"
-            return f"{short} ({value:,.0f} bytes)" if exact else short
-    return f"{value:,.0f} bytes"
+__all__ = ["LiveStatus", "format_bytes"]
 
 
 class LiveStatus:
