@@ -35,16 +35,19 @@ from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, 
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.modelled import ModelledEnergyMeter
-from device_agent.replay import RELATIVE_SLACK, ReplayError, ReplayTrace, check_schedule_matches, replay
+from device_agent.replay import (
+    RELATIVE_SLACK,
+    ReplayError,
+    ReplayTrace,
+    ScheduleMismatchError,
+    check_schedule_matches,
+    replay,
+)
 from device_agent.schedule import Schedule
 
 
 class ExecutorError(RuntimeError):
     """The executor cannot run this schedule on this partition."""
-
-
-class ScheduleMismatchError(ExecutorError):
-    """The schedule was solved for a different graph (fingerprint or node names differ)."""
 
 
 class InvalidScheduleError(ExecutorError):
@@ -86,10 +89,8 @@ def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes
 
 def _check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes: float | None = None
                     ) -> tuple[list[_Op], ReplayTrace]:
-    try:
-        check_schedule_matches(schedule, partition.fingerprint, [n.name for n in partition.nodes], partition.name)
-    except ReplayError as error:
-        raise ScheduleMismatchError(str(error)) from None
+    # raises device_agent.replay.ScheduleMismatchError: the one error for a schedule of another graph
+    check_schedule_matches(schedule, partition.fingerprint, [n.name for n in partition.nodes], partition.name)
     if ram_budget_bytes is None:
         ram_budget_bytes = schedule.ram_budget_bytes or None
     nodes = partition.nodes

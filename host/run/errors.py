@@ -18,6 +18,7 @@ class SolveFailedError(RuntimeError):
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types whose message already explains the problem and the fix (no traceback needed)."""
     from device_agent.executor import ExecutorError, PageStoreError
+    from device_agent.replay import ScheduleMismatchError
     from device_agent.serde import ScheduleFormatError
     from host.costs.profile import ProfileError
     from host.graph.model_source import ModelSourceError
@@ -32,7 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [
         InputError, ProfileError, ModelSourceError, UnknownPoet2022ModelError, UnknownModelNameError, GraphError,
         UnknownModelError, UnknownSolverError, BudgetError, ScheduleFormatError, ScheduleValidationError,
-        ExecutorError, PageStoreError,
+        ExecutorError, PageStoreError, ScheduleMismatchError,
     ]
     optional = (
         ("host.graph.trace", "TraceError"),
