@@ -8,6 +8,7 @@ DEMO_DIR ?= out/demo
 .PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || { apt-get update && apt-get install -y --no-install-recommends postgresql; } || echo "PostgreSQL not installed: the run store's PostgreSQL tests will skip"
 
 # Idempotent: re-runs only when the project metadata or the pins change. The protobuf stubs are
 # committed (regenerate with `$(BIN)/python -m device_agent.protos` after editing a .proto).

@@ -1,0 +1,1 @@
+"""The coordinator: gRPC service, agent registry, job dispatch, telemetry ingestion, run store, certificates."""
