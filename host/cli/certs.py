@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "DIR/coordinator/ (SANs: localhost, 127.0.0.1 and each --host).")
     init.add_argument("--dir", type=directory_path, required=True, metavar="DIR", help="certificate directory")
     init.add_argument("--host", action="append", default=[], metavar="NAME",
-                      help="a host name or IP address agents dial the coordinator at (repeatable)")
+                      help="a host name or IP address agents dial the coordinator at, repeatable "
+                           "(default: only localhost and 127.0.0.1)")
     init.add_argument("--force", action="store_true",
                       help="replace an existing CA (every certificate it signed stops working)")
     init.add_argument("--valid-days", type=positive_int, default=825, metavar="DAYS",

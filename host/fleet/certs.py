@@ -225,6 +225,8 @@ def _issue(root: Path, name: str, role: str, sans: list[x509.GeneralName], *, se
            force: bool) -> Path:
     ca_cert, ca_key = _load_ca(root)
     bundle_dir = root / name
+    if bundle_dir.exists() and not bundle_dir.is_dir():
+        raise CertError(f"{bundle_dir} is a file (the CA's own?); pick another name")
     if bundle_dir.exists() and not force:
         raise CertError(f"{bundle_dir} already exists; pass --force to issue a new certificate for {name!r}")
     now = _now()

@@ -105,12 +105,12 @@ def test_issue_refuses_a_bad_name_with_a_clear_error(cert_dir):
 @pytest.mark.parametrize(("name", "why"), [
     ("../evil", "may hold only"), ("a/b", "may hold only"), ("a\\b", "may hold only"), (".hidden", "may hold only"),
     ("two words", "may hold only"), ("", "must not be empty"), ("x" * 64, "at most 63"),
-    ("coordinator", "coordinator's own certificate"),
+    ("coordinator", "coordinator's own certificate"), ("ca.pem", "is a file"),
 ])
 def test_issue_refuses_bad_names(cert_dir, name, why):
     before = sorted(p.name for p in cert_dir.iterdir())
     with pytest.raises(certs.CertError, match=why):
-        certs.issue_cert(cert_dir, name, "operator")
+        certs.issue_cert(cert_dir, name, "operator", force=True)
     assert sorted(p.name for p in cert_dir.iterdir()) == before
     with pytest.raises(certs.CertError, match="role must be one of"):
         certs.issue_cert(cert_dir, "pi-9", "admin")
