@@ -12,27 +12,44 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text"]
+__all__ = ["atomic_write_bytes", "atomic_write_chunks", "atomic_write_text"]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` atomically and durably; the file gets permissions ``mode``.
+def atomic_write_chunks(
+    path: str | os.PathLike,
+    chunks: Iterable[bytes | bytearray | memoryview],
+    *,
+    mode: int = 0o644,
+    before_close: Callable[[int], object] | None = None,
+    durable_rename: bool = True,
+) -> int:
+    """Replace ``path`` with the concatenated ``chunks`` atomically; returns the bytes written.
 
+    ``chunks`` is consumed in order while writing, so a generator can stream large buffers (and
+    compute a checksum for its last chunk) without joining them in memory. ``before_close(fd)`` runs
+    after the fsync (the page store drops the file from the page cache there). ``durable_rename=False``
+    skips the directory fsync, for scratch files that a crash may lose (pages of a running step).
     The parent directory must exist. ``mode`` is set explicitly because ``mkstemp`` creates files rw-------.
     """
     target = Path(path)
     directory = target.parent
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    written = 0
     try:
         try:
             if hasattr(os, "fchmod"):
                 os.fchmod(fd, mode)
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view) :]
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                written += len(view)
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
+            if before_close is not None:
+                before_close(fd)
         finally:
             os.close(fd)
         os.replace(tmp_name, target)
@@ -40,7 +57,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memory
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
-    _fsync_directory(directory)
+    if durable_rename:
+        _fsync_directory(directory)
+    return written
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically and durably; the file gets permissions ``mode``."""
+    atomic_write_chunks(path, (data,), mode=mode)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644) -> None:

@@ -44,6 +44,7 @@ except ImportError:  # not POSIX: no owner locks, so no sweeping either
     fcntl = None
 
 from device_agent.executor.ram_store import Entry, EntryLayout, storage_bytes
+from device_agent.fileio import atomic_write_chunks
 
 _MAGIC = b"POETPG\x00\x01"
 _HEADER = struct.Struct("<8sIIQ")
@@ -320,11 +321,6 @@ def check_flash_space(flash_dir: str | os.PathLike, peak_page_bytes: int, peak_p
     return needed
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 def _drop_cache(fd: int) -> bool:
     if not hasattr(os, "posix_fadvise"):
         return False
@@ -404,32 +400,29 @@ class FlashPageStore:
         layout = entry.layout()
         directory = self._ensure_directory()
         final = os.path.join(directory, f"node-{node:06d}.page")
-        temporary = os.path.join(directory, f".node-{node:06d}.tmp")
         header = _HEADER.pack(_MAGIC, node, len(entry.storages), layout.nbytes) + b"".join(
             _SIZE.pack(n) for n in layout.storage_nbytes
         )
-        crc = zlib.crc32(header)
-        fd = -1
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            _write_all(fd, memoryview(header))
+
+        def chunks():
+            crc = zlib.crc32(header)
+            yield header
             for storage in entry.storages:
                 if storage.nbytes() == 0:
                     continue
                 payload = memoryview(storage_bytes(storage).numpy())
                 crc = zlib.crc32(payload, crc)
-                _write_all(fd, payload)
-            _write_all(fd, memoryview(_TRAILER.pack(crc, _TRAILER_MAGIC)))
-            os.fsync(fd)
+                yield payload
+            yield _TRAILER.pack(crc, _TRAILER_MAGIC)
+
+        def drop_cache(fd: int) -> None:
             if self.drop_cache:
                 self.cache_dropped = _drop_cache(fd) and self.cache_dropped
-            os.close(fd)
-            fd = -1
-            os.replace(temporary, final)
+
+        try:
+            # Pages are scratch data of this run: no directory fsync (a crash leaves them to the stale sweep).
+            atomic_write_chunks(final, chunks(), mode=0o600, before_close=drop_cache, durable_rename=False)
         except OSError as error:
-            if fd >= 0:
-                os.close(fd)
-            _unlink_quietly(temporary)
             if not self._pages:
                 self._remove_directory()
             size = len(header) + layout.nbytes + _TRAILER.size

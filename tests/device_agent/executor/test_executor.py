@@ -222,13 +222,12 @@ def test_full_flash_fails_the_page_out_and_leaves_nothing(tmp_path, monkeypatch)
     current.reset()
     written = []
 
-    def write_until_full(fd, view):
-        if len(written) >= 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        written.append(len(view))
-        os.write(fd, view)
+    def storage_bytes_until_full(storage):
+        # the page's header is already in its temporary file when the device fills up
+        written.append(storage.nbytes())
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(page_store, "_write_all", write_until_full)
+    monkeypatch.setattr(page_store, "storage_bytes", storage_bytes_until_full)
     with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path)) as executor:
         with pytest.raises(FlashFullError, match="full"):
             executor.train_step(current.bundle.inputs, current.bundle.labels)

@@ -117,11 +117,11 @@ def test_flash_dir_must_exist_be_a_directory_and_be_writable(tmp_path, monkeypat
 
 
 def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch):
-    def full(fd, view):
+    def full(storage):  # the header is written, then the device is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with FlashPageStore(tmp_path) as pages:
-        monkeypatch.setattr(page_store, "_write_all", full)
+        monkeypatch.setattr(page_store, "storage_bytes", full)
         with pytest.raises(FlashFullError, match="is full: paging out 'conv'"):
             pages.write(0, "conv", _entry(0, x=torch.randn(1000)))
         assert os.listdir(tmp_path) == []
