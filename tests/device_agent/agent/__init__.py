@@ -1,0 +1,1 @@
+"""Tests of device_agent.agent: local datasets and the durable telemetry buffer."""
