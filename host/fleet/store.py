@@ -437,6 +437,8 @@ class RunStore:
         _check_kind(kind)
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
+            if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is not None:
+                raise StoreError(f"job {job_id!r} exists already")
             conn.execute(sa.insert(jobs).values(job_id=job_id, kind=kind, spec=dict(spec), created_at_s=now_s))
         return JobRecord(job_id, kind, dict(spec), now_s)
 
@@ -460,6 +462,8 @@ class RunStore:
             _refuse_removed(self._agent_row(conn, agent))
             if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
                 raise StoreError(f"run {run_id!r}: no job {job_id!r} (create_job first)")
+            if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is not None:
+                raise StoreError(f"run {run_id!r} exists already")
             conn.execute(sa.insert(runs).values(
                 run_id=run_id, job_id=job_id, agent=agent, kind=kind, status=status,
                 ram_budget_bytes=ram_budget_bytes, schedule_fingerprint=schedule_fingerprint,

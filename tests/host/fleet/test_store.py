@@ -114,6 +114,10 @@ def test_run_lifecycle(store, store_url):
         store.update_run("nope", status="running")
     with pytest.raises(StoreError, match="no job"):
         store.create_run("r3", "no-such-job", "pi-1", "train")
+    with pytest.raises(StoreError, match="exists already"):
+        store.create_run("r1", "j1", "pi-2", "train")
+    with pytest.raises(StoreError, match="exists already"):
+        store.create_job("j1", "train", {})
 
     assert [run.run_id for run in store.list_runs()] == ["r1", "r2"]
     assert [run.run_id for run in store.list_runs(status="does_not_fit")] == ["r2"]
@@ -202,11 +206,12 @@ def test_concurrent_writers_store_each_event_once(store_url):
         except BaseException as error:  # noqa: B036 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=writer, args=(index,)) for index in (0, 1)]
+    threads = [threading.Thread(target=writer, args=(index,), daemon=True) for index in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a thread is stuck (a deadlock between the two)"
     assert not errors, errors
     with RunStore(store_url) as check:
         stored = check.get_events("r1")
@@ -214,6 +219,29 @@ def test_concurrent_writers_store_each_event_once(store_url):
         assert check.events_stored("r1") == total and check.acked_seq("r1") == total
     for index in (0, 1):
         assert acks[index] == sorted(acks[index]) and acks[index][-1] == total
+
+
+def test_two_coordinators_opening_a_new_store_at_once_both_succeed(store_url):
+    """Both run the migrations' check at the same moment; one creates the schema, the other finds it done."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def opener() -> None:
+        try:
+            barrier.wait()
+            RunStore(store_url).close()
+        except BaseException as error:  # noqa: B036 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=opener, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a thread is stuck (a deadlock between the two)"
+    assert not errors, errors
+    with RunStore(store_url) as opened:
+        assert opened.schema_revision() == RunStore.head_revision()
 
 
 # -- profile versions ------------------------------------------------------------------------
