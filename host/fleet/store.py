@@ -563,14 +563,17 @@ class RunStore:
                     [{"run_id": run_id, "seq": seq, "payload": fresh[seq], "stored_at_s": now_s} for seq in new],
                 )
             # Advance the acknowledgement over whatever is now contiguous (this batch may fill a gap
-            # before events stored earlier).
-            following = conn.execute(
-                sa.select(events.c.seq).where(events.c.run_id == run_id, events.c.seq > acked).order_by(events.c.seq)
-            ).scalars()
-            for seq in following:
-                if seq != acked + 1:
-                    break
-                acked = seq
+            # before events stored earlier). The stored ack is always as high as it can be, so it
+            # moves only when this batch brought the seq right after it: a board resending behind a
+            # gap costs no scan.
+            if acked + 1 in fresh:
+                following = conn.execute(
+                    sa.select(events.c.seq).where(events.c.run_id == run_id, events.c.seq > acked).order_by(events.c.seq)
+                ).scalars()
+                for seq in following:
+                    if seq != acked + 1:
+                        break
+                    acked = seq
             if new or acked != row.events_acked_seq:
                 conn.execute(sa.update(runs).where(runs.c.run_id == run_id).values(
                     events_stored=runs.c.events_stored + len(new), events_acked_seq=acked,
@@ -640,7 +643,7 @@ def _install_sqlite_hooks(engine: sa.Engine) -> None:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(_SQLITE_BUSY_TIMEOUT_S * 1000)}")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _set_wal(cursor)
             cursor.execute("PRAGMA foreign_keys = ON")
             cursor.execute("PRAGMA synchronous = NORMAL")  # durable across a process crash in WAL mode
         finally:
@@ -650,6 +653,27 @@ def _install_sqlite_hooks(engine: sa.Engine) -> None:
     def _on_begin(conn):
         read_only = conn.get_execution_options().get("poet_read_only", False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def _set_wal(cursor) -> None:
+    """Switch the file to WAL (persistent, so a no-op once done). The switch needs the file to itself
+    and SQLite does not wait for that through the busy timeout, so a coordinator creating the store
+    while another one does retries here, within the same timeout."""
+    import sqlite3
+
+    deadline_s = time.monotonic() + _SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                return
+            if cursor.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() == "wal":
+                return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline_s:
+                raise
+        if time.monotonic() > deadline_s:
+            raise StoreError("the SQLite run store could not be switched to WAL mode (another process holds it)")
+        time.sleep(0.01)
 
 
 def _refuse_removed(row: sa.Row) -> None:

@@ -24,10 +24,23 @@ FACTS = {"ram_total_bytes": 4 << 30, "memory_limit_bytes": 1 << 30, "flash_free_
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path):
+def new_store_url(request, tmp_path):
+    """Makes the URL of a new, empty store on the backend under test."""
     if request.param == "sqlite":
-        return sqlite_url(tmp_path)
-    return request.getfixturevalue("postgres_server").new_database()
+        counter = iter(range(1_000_000))
+
+        def sqlite_store() -> str:
+            directory = tmp_path / f"store{next(counter)}"
+            directory.mkdir()
+            return sqlite_url(directory)
+
+        return sqlite_store
+    return request.getfixturevalue("postgres_server").new_database
+
+
+@pytest.fixture
+def store_url(new_store_url):
+    return new_store_url()
 
 
 @pytest.fixture
@@ -221,27 +234,31 @@ def test_concurrent_writers_store_each_event_once(store_url):
         assert acks[index] == sorted(acks[index]) and acks[index][-1] == total
 
 
-def test_two_coordinators_opening_a_new_store_at_once_both_succeed(store_url):
-    """Both run the migrations' check at the same moment; one creates the schema, the other finds it done."""
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
+def test_coordinators_opening_a_new_store_at_once_all_succeed(new_store_url, request):
+    """Three open the same new store at the same moment: one creates the schema (and, on SQLite, switches
+    the file to WAL), the others wait and find it done. Repeated, since the race is narrow."""
+    rounds = 40 if "sqlite" in request.node.name else 3
+    for _round in range(rounds):
+        url = new_store_url()
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(3)
 
-    def opener() -> None:
-        try:
-            barrier.wait()
-            RunStore(store_url).close()
-        except BaseException as error:  # noqa: B036 - reported below
-            errors.append(error)
+        def opener(url: str = url, errors: list = errors, barrier: threading.Barrier = barrier) -> None:
+            try:
+                barrier.wait()
+                RunStore(url).close()
+            except BaseException as error:  # noqa: B036 - reported below
+                errors.append(error)
 
-    threads = [threading.Thread(target=opener, daemon=True) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a thread is stuck (a deadlock between the two)"
-    assert not errors, errors
-    with RunStore(store_url) as opened:
-        assert opened.schema_revision() == RunStore.head_revision()
+        threads = [threading.Thread(target=opener, daemon=True) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads), "a thread is stuck (a deadlock between openers)"
+        assert not errors, errors
+        with RunStore(url) as opened:
+            assert opened.schema_revision() == RunStore.head_revision()
 
 
 # -- profile versions ------------------------------------------------------------------------
