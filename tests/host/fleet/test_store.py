@@ -234,6 +234,52 @@ def test_concurrent_writers_store_each_event_once(store_url):
         assert acks[index] == sorted(acks[index]) and acks[index][-1] == total
 
 
+WRITER_PROCESS = """
+import random, sys
+from host.fleet.store import RunStore
+url, seed, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(seed)
+seqs = list(range(1, total + 1)) + [rng.randint(1, total) for _ in range(50)]
+rng.shuffle(seqs)
+sys.stdin.readline()  # start together
+with RunStore(url) as store:
+    last = 0
+    while seqs:
+        size = rng.randint(1, 17)
+        ack, seqs = store.store_events("r1", [(seq, {"by": seed}) for seq in seqs[:size]]), seqs[size:]
+        assert ack >= last, (ack, last)
+        last = ack
+print(last)
+"""
+
+
+def test_two_writer_processes_store_each_event_once(store_url):
+    """The same as two coordinator processes: separate processes, so SQLite's file locks are really taken."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with RunStore(store_url) as setup:
+        _job_with_run(setup)
+    total = 300
+    root = Path(store_module.__file__).resolve().parents[2]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER_PROCESS, store_url, str(seed), str(total)], cwd=root,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed in (1, 2)
+    ]
+    for writer in writers:  # both have imported and opened their pipes: release them together
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+    outputs = [writer.communicate(timeout=120) for writer in writers]
+    for writer, (out, err) in zip(writers, outputs, strict=True):
+        assert writer.returncode == 0, err
+        assert out.strip() == str(total)
+    with RunStore(store_url) as check:
+        assert [seq for seq, _ in check.get_events("r1")] == list(range(1, total + 1))
+        assert check.events_stored("r1") == total and check.acked_seq("r1") == total
+
+
 def test_coordinators_opening_a_new_store_at_once_all_succeed(new_store_url, request):
     """Three open the same new store at the same moment: one creates the schema (and, on SQLite, switches
     the file to WAL), the others wait and find it done. Repeated, since the race is narrow."""
