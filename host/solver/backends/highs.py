@@ -31,14 +31,22 @@ def _new_highs() -> highspy.Highs:
 def _run(highs: highspy.Highs) -> bool:
     """Run the solver in its own thread; Ctrl-C asks HiGHS to stop and keep its incumbent.
 
-    Returns True when the run was interrupted by the user.
+    Returns True when the run was interrupted by the user. A Ctrl-C can land anywhere here, even
+    inside ``startSolve`` after the solver thread began, so the wait is on the solver's own state,
+    never on a thread handle this function may not have received.
     """
     highs.HandleUserInterrupt = True
-    thread = highs.startSolve()
     interrupted = False
-    while thread.is_alive():
+    try:
+        highs.startSolve()
+    except KeyboardInterrupt:
+        interrupted = True
+        highs.cancelSolve()
+    while True:
         try:
-            thread.join(_WAIT_PERIOD_S)
+            done, _status = highs.wait(_WAIT_PERIOD_S)
+            if done:
+                break
         except KeyboardInterrupt:
             interrupted = True
             highs.cancelSolve()
@@ -59,6 +67,20 @@ def solve_highs(
     progress: ProgressCallback | None = None,
     presolve: bool = True,
 ) -> MilpResult:
+    started = time.perf_counter()
+    try:
+        highs = _prepared_highs(problem, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads, start=start,
+                                presolve=presolve)
+    except KeyboardInterrupt:  # before the solver started: no incumbent of its own (the caller has the start)
+        return MilpResult("timeout", None, None, None, None, time.perf_counter() - started,
+                          "interrupted before the solver started", interrupted=True)
+    if progress is not None:
+        _subscribe_progress(highs, progress, started)
+    interrupted = _run(highs)
+    return _result(highs, interrupted, time.perf_counter() - started)
+
+
+def _prepared_highs(problem: MilpProblem, *, time_limit_s, mip_gap, threads, start, presolve) -> highspy.Highs:
     highs = _new_highs()
     highs.setOptionValue("output_flag", False)
     if not presolve:
@@ -95,31 +117,32 @@ def solve_highs(
         solution.col_value = list(np.asarray(start, dtype=np.float64))
         solution.value_valid = True
         highs.setSolution(solution)
+    return highs
 
-    started = time.perf_counter()
-    if progress is not None:
-        last_report = [0.0]
 
-        def report(event) -> None:
-            now = time.perf_counter() - started
-            if now - last_report[0] < _PROGRESS_PERIOD_S:
-                return
-            last_report[0] = now
-            data = event.data_out
-            progress(
-                SolverProgress(
-                    elapsed_s=now,
-                    incumbent_j=_finite(data.mip_primal_bound),
-                    bound_j=_finite(data.mip_dual_bound),
-                    gap=_finite(data.mip_gap),
-                )
+def _subscribe_progress(highs: highspy.Highs, progress: ProgressCallback, started: float) -> None:
+    last_report = [0.0]
+
+    def report(event) -> None:
+        now = time.perf_counter() - started
+        if now - last_report[0] < _PROGRESS_PERIOD_S:
+            return
+        last_report[0] = now
+        data = event.data_out
+        progress(
+            SolverProgress(
+                elapsed_s=now,
+                incumbent_j=_finite(data.mip_primal_bound),
+                bound_j=_finite(data.mip_dual_bound),
+                gap=_finite(data.mip_gap),
             )
+        )
 
-        highs.cbMipInterrupt.subscribe(report)
-        highs.cbMipImprovingSolution.subscribe(report)
-    interrupted = _run(highs)
-    solve_s = time.perf_counter() - started
+    highs.cbMipInterrupt.subscribe(report)
+    highs.cbMipImprovingSolution.subscribe(report)
 
+
+def _result(highs: highspy.Highs, interrupted: bool, solve_s: float) -> MilpResult:
     status = highs.getModelStatus()
     info = highs.getInfo()
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible

@@ -6,11 +6,12 @@ from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_byt
 from host.solver.validator import validate_schedule
 
 
-def _solve_at(model: str, share: float, platform: str = "a72"):
+def _solve_at(model: str, share: float, platform: str = "a72", time_limit_s: float = 20):
+    """Trace and solve; the time limit keeps the suite fast (a feasible schedule is a full answer here)."""
     resolved = resolve_model(model)
     priced = price_graph(resolved.graph, load_profile(platform))
     budget = max(share * no_remat_peak_bytes(priced), minimum_ram_bytes(priced))
-    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.5, time_limit_s=120))
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.5, time_limit_s=time_limit_s))
     return priced, budget, result
 
 

@@ -7,7 +7,13 @@ from hypothesis import strategies as st
 
 from host.solver import backends
 from host.solver.milp import MilpResult
-from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
+from host.solver.solve import (
+    OBJECTIVE_AGREEMENT_RTOL,
+    SolveOptions,
+    minimum_ram_bytes,
+    no_remat_peak_bytes,
+    solve_schedule,
+)
 from host.solver.validator import validate_schedule
 
 from .graphs import price_simply, random_training_graph
@@ -30,8 +36,8 @@ def _assert_honest(result, priced):
     if result.schedule is None:
         return
     assert result.objective_j == pytest.approx(validate_schedule(result.schedule, priced).energy_j, rel=RTOL)
-    if result.status == "optimal":
-        assert result.gap is not None and result.gap <= TIGHT_GAP * 10
+    if result.status == "optimal":  # proven within the gap asked for, up to the agreement tolerance
+        assert result.gap is not None and result.gap <= TIGHT_GAP + OBJECTIVE_AGREEMENT_RTOL
 
 
 def _compare(seed: int, size: int, share: float, page_j_per_byte: float, runtime_factor: float) -> None:
