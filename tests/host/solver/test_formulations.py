@@ -63,7 +63,7 @@ def test_ours_is_never_infeasible_or_worse_than_the_papers(seed, size, share, pa
 
 
 @pytest.mark.slow
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 100_000), size=st.integers(3, 8), share=st.floats(0.25, 0.95),
        page_j_per_byte=st.sampled_from([1e-6, 1e-4, 1e-3]), runtime_factor=st.sampled_from([1.0, 1.2, 2.0]))
 def test_ours_is_never_infeasible_or_worse_than_the_papers_many_graphs(seed, size, share, page_j_per_byte,
