@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
@@ -173,8 +171,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         # below; a heuristic plan within the gap of that bound is proven optimal without the MILP.
         if candidates and options.shortcut_non_binding:
             energy_j, plan = candidates[0]
-            bound_j = float(priced.compute_j.sum())
-            gap = max(0.0, (energy_j - bound_j) / max(1e-12, abs(energy_j)))
+            bound_j = _lower_bound_j(priced, None)
+            gap = _relative_gap(energy_j, bound_j)
             if gap <= options.mip_gap:
                 elapsed = time.perf_counter() - started
                 schedule, report = _finish(priced, plan, options, runtime_budget_s, "optimal", "bound",
@@ -215,10 +213,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         )
         if result.x is None and result.status == "timeout" and start is not None:
             # Stopped (time limit, Ctrl-C) before the backend kept a solution: the warm start is one.
-            start_j = formulation.problem.objective(start)
-            bound_j = max(result.bound or 0.0, float(priced.compute_j.sum()))  # every node is computed once
-            gap = max(0.0, (start_j - bound_j) / max(1e-12, abs(start_j)))
-            result = MilpResult("feasible", start, start_j, bound_j, gap, result.solve_s,
+            # (its gap is proven against the bound in _checked_outcome)
+            result = MilpResult("feasible", start, formulation.problem.objective(start), result.bound, None,
+                                result.solve_s,
                                 result.message + "; the schedule is the warm start", interrupted=result.interrupted)
         outcome = _checked_outcome(priced, formulation, options, runtime_budget_s, result, started, floor_bytes,
                                    sizes)
@@ -243,6 +240,16 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 # Relative tolerance between the solver's objective, its columns' objective and the validated energy.
 # A larger disagreement is trusted only when the validated energy is still within the gap of the bound.
 OBJECTIVE_AGREEMENT_RTOL = 1e-6
+
+
+def _lower_bound_j(priced: PricedGraph, solver_bound_j: float | None) -> float:
+    """The best proven lower bound: the solver's, or computing every node once (no schedule does less)."""
+    compute_once_j = float(priced.compute_j.sum())
+    return compute_once_j if solver_bound_j is None else max(solver_bound_j, compute_once_j)
+
+
+def _relative_gap(energy_j: float, bound_j: float) -> float:
+    return max(0.0, (energy_j - bound_j) / max(1e-12, abs(energy_j)))
 
 
 def _report_phase(progress: ProgressCallback | None, started: float, phase: str) -> None:
@@ -289,8 +296,8 @@ def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_
         disagreements.append(f"the columns cost {columns_j:.9g} J but the validator replays {report.energy_j:.9g} J")
     # The gap that is actually proven: the validated energy against the solver's lower bound.
     # Computing every node once is a lower bound of its own, so a gap is always proven.
-    bound_j = max(result.bound if result.bound is not None else -np.inf, float(priced.compute_j.sum()))
-    proven_gap = max(0.0, (report.energy_j - bound_j) / max(1e-12, abs(report.energy_j)))
+    bound_j = _lower_bound_j(priced, result.bound)
+    proven_gap = _relative_gap(report.energy_j, bound_j)
     status, message = result.status, result.message
     gap = proven_gap
     if disagreements:
