@@ -21,7 +21,6 @@ import datetime as dt
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
@@ -29,7 +28,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# Loading a bundle is shared with the board, which has no `cryptography`: it lives in the agent's package.
+from device_agent.agent.credentials import BUNDLE_FILES, Bundle, CertError, channel_credentials, load_bundle
 from device_agent.fileio import atomic_write_bytes
+
+__all__ = ["BUNDLE_FILES", "Bundle", "CertError", "IdentityError", "certificate_identity", "channel_credentials",
+           "check_name", "identity_uri", "init_certs", "issue_cert", "load_bundle", "peer_identity",
+           "server_credentials"]
 
 ROLES = ("node", "operator")
 COORDINATOR = "coordinator"  # the coordinator's bundle directory, name and role
@@ -41,24 +46,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CLOCK_SKEW = dt.timedelta(minutes=5)  # not-before is back-dated so a board with a slow clock accepts it
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
-BUNDLE_FILES = ("ca.pem", "cert.pem", "key.pem")
-
-
-class CertError(ValueError):
-    """A certificate request that cannot be honoured; the message names the problem and the fix."""
 
 
 class IdentityError(PermissionError):
     """A peer whose certificate does not carry a poet identity."""
-
-
-@dataclass(frozen=True)
-class Bundle:
-    """One party's PEM files: the CA to trust, its own certificate and its private key."""
-
-    ca_pem: bytes
-    cert_pem: bytes
-    key_pem: bytes
 
 
 def check_name(name: str) -> str:
@@ -133,16 +124,6 @@ def issue_cert(directory: str | os.PathLike, name: str, role: str, *, valid_days
     return _issue(Path(directory), name, role, [], server=False, valid_days=valid_days, force=force)
 
 
-def load_bundle(bundle_dir: str | os.PathLike) -> Bundle:
-    """The PEM files of a bundle directory (what `certs init`/`certs issue` wrote)."""
-    root = Path(bundle_dir)
-    missing = [f for f in BUNDLE_FILES if not (root / f).is_file()]
-    if missing:
-        raise CertError(f"{root} is not a certificate bundle: {', '.join(missing)} missing "
-                        "(make one with `poet certs init` or `poet certs issue`)")
-    return Bundle(*((root / f).read_bytes() for f in BUNDLE_FILES))
-
-
 def server_credentials(bundle_dir: str | os.PathLike):
     """gRPC server credentials that require a client certificate signed by the bundle's CA."""
     import grpc
@@ -150,15 +131,6 @@ def server_credentials(bundle_dir: str | os.PathLike):
     bundle = load_bundle(bundle_dir)
     return grpc.ssl_server_credentials([(bundle.key_pem, bundle.cert_pem)], root_certificates=bundle.ca_pem,
                                        require_client_auth=True)
-
-
-def channel_credentials(bundle_dir: str | os.PathLike):
-    """gRPC channel credentials presenting the bundle's certificate and trusting only its CA."""
-    import grpc
-
-    bundle = load_bundle(bundle_dir)
-    return grpc.ssl_channel_credentials(root_certificates=bundle.ca_pem, private_key=bundle.key_pem,
-                                        certificate_chain=bundle.cert_pem)
 
 
 def certificate_identity(cert_pem: bytes) -> tuple[str, str]:
