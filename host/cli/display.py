@@ -99,6 +99,11 @@ class LiveStatus:
                 self.stream.write(render() + "\n")
                 self.stream.flush()
 
+    def line(self, text: str) -> None:
+        """Replace the live line with ``text`` (e.g. progress of several boards at once)."""
+        self._last_phase = ""
+        self._show(lambda: text)
+
     # -------------------------------------------------------------------------------- reports
     def __call__(self, report: Any) -> None:
         """A progress callback for the API: solver reports and training steps."""

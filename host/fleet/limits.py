@@ -1,0 +1,13 @@
+"""The coordinator's stated numbers, in a module without imports so `poet --help` can quote them cheaply."""
+
+MIB = 1024 * 1024
+MAX_MESSAGE_BYTES = 8 * MIB  # gRPC messages, both directions; a model travels in MODEL_CHUNK_BYTES chunks
+MODEL_CHUNK_BYTES = 1 * MIB
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TIMEOUT_S = 10.0  # an agent not seen for this long is listed as offline (5 missed heartbeats)
+MAX_PULL_WAIT_S = 30.0  # the longest a PullJob long poll is held open
+AUTO_MARGIN_BYTES = 8 * MIB  # `--ram-budget auto`: headroom for allocator slack and the agent's own buffers
+SOLVE_TIME_LIMIT_S = 60.0  # per distinct schedule; the best schedule found by then is used, with its gap
+MAX_WORKERS = 64  # server threads: each long poll and each telemetry stream holds one while open
+STOP_GRACE_S = 5.0  # on shutdown, calls in flight get this long to finish
+DEFAULT_STATE_DIR = "poet-state"

@@ -1,0 +1,609 @@
+"""The coordinator's gRPC services: `Fleet` for boards (node certificates) and `FleetAdmin` for operators.
+
+Every handler reads the caller's (role, name) from its mutual-TLS certificate
+(:func:`host.fleet.certs.peer_identity`), never from a message field, and refuses the wrong role
+and removed nodes with PERMISSION_DENIED. All state lives in the run store and the state dir, so a
+coordinator restarted on the same store (even after kill -9) hands out the same jobs:
+
+- the job spec (model digest, grouping, hyperparameters) and the solved schedules (poet.v1.Schedule
+  JSON, one per distinct schedule) are stored with the job; each run names its schedule's key;
+- model archives are ``STATE_DIR/models/<sha256>.pt2``; collected weights
+  ``STATE_DIR/results/<run_id>.safetensors``.
+
+Budgets: ``--ram-budget auto`` gives a board (its memory limit, or its available RAM without one)
+minus the fixed bytes (weights, their gradients, optimizer state, the batch) minus the torch
+runtime's resident memory it measured minus :data:`AUTO_MARGIN_BYTES`. Schedules are cached by
+(graph fingerprint, profile digest, budget bytes, runtime factor): identical boards cost one solve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from device_agent import protos
+from host.fleet import serde
+from host.fleet.certs import IdentityError, peer_identity
+from host.fleet.limits import (
+    AUTO_MARGIN_BYTES,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    MAX_PULL_WAIT_S,
+    MODEL_CHUNK_BYTES,
+    SOLVE_TIME_LIMIT_S,
+)
+from host.fleet.store import (
+    TERMINAL_STATUSES,
+    AgentRemovedError,
+    RunStore,
+    StoreError,
+    UnknownAgentError,
+    UnknownRunError,
+)
+
+fleet_pb2 = serde.fleet_pb2
+fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
+
+log = logging.getLogger("poet.fleet")
+
+DEFAULT_RUNTIME_FACTOR = 1.2
+DEFAULT_LR = 0.01
+DEFAULT_CHECKPOINT_EVERY_STEPS = 0  # 0: the agent's default
+NODE, OPERATOR = "node", "operator"
+MODELS_DIR, RESULTS_DIR = "models", "results"
+
+
+class _Refused(Exception):
+    """Abort the call with ``code`` and ``message`` (a problem and its fix)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class BoardPlan:
+    """What the coordinator decided for one board of a submitted run."""
+
+    agent: str
+    status: str  # queued | does_not_fit | failed
+    ram_budget_bytes: int | None
+    min_ram_budget_bytes: int | None
+    schedule_key: str | None
+    schedule_fingerprint: str | None
+    predicted: dict[str, Any] | None
+    counts: dict[str, int]
+    detail: str | None
+
+
+class Coordinator:
+    """The state behind both services: the store, the state dir, the package memo and the schedule cache.
+
+    ``packager`` is :func:`host.fleet.model_package.package_model` (injectable for tests);
+    ``local_profile`` measures this machine once, for boards whose platform is neither measured nor shipped.
+    """
+
+    def __init__(self, store: RunStore, state_dir: str | Path, *, packager: Callable[..., Any] | None = None,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None):
+        self.store = store
+        self.state_dir = Path(state_dir)
+        self.models_dir = self.state_dir / MODELS_DIR
+        self.results_dir = self.state_dir / RESULTS_DIR
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        self._packager = packager
+        self._local_profile_factory = local_profile
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.solve_time_limit_s = solve_time_limit_s
+        self._work = threading.Condition()
+        self._generation = 0  # bumped whenever work may have appeared
+        self._packages: dict[tuple, Any] = {}
+        self._package_lock = threading.Lock()
+        self._schedules: dict[tuple, tuple[Any, Any]] = {}  # cache key -> (SolveResult, schedule JSON)
+        self._solve_lock = threading.Lock()
+        self._local_profile = None
+        self._result_lock = threading.Lock()
+        self.solve_count = 0  # solves actually run (cache misses), for tests and logs
+        self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
+
+    # ------------------------------------------------------------------------------------ identity
+    def caller(self, context, role: str) -> str:
+        """The caller's name, if its certificate has ``role`` (and, for a node, it was not removed)."""
+        try:
+            caller_role, name = peer_identity(context.auth_context())
+        except IdentityError as error:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{error}; connect with a bundle from `poet certs issue`") from None
+        if caller_role != role:
+            if role == NODE:
+                fix = "the Fleet service is for boards: run `poet-agent run` with a node bundle (`poet certs issue --node NAME`)"
+            else:
+                fix = ("the FleetAdmin service is for operators: use a bundle from `poet certs issue --operator NAME` "
+                       "(POET_CERTS or --certs)")
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"{caller_role} {name!r} may not call this: {fix}")
+        if role == NODE and self.store.is_removed(name):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"node {name!r} was removed with `poet fleet remove` and is refused; issue a certificate "
+                           f"under a new name (`poet certs issue --node NEW_NAME`) to bring the board back")
+        return name
+
+    # ------------------------------------------------------------------------------------ work signal
+    def notify_work(self) -> None:
+        with self._work:
+            self._generation += 1
+            self._work.notify_all()
+
+    # ------------------------------------------------------------------------------------ jobs
+    def spec(self, job_id: str) -> dict[str, Any]:
+        spec = self._specs.get(job_id)
+        if spec is None:
+            spec = self.store.get_job(job_id).spec
+            self._specs[job_id] = spec
+        return spec
+
+    def next_job(self, agent: str):
+        """This agent's oldest queued or running run as a Job (marked running), or None."""
+        for run in self.store.list_runs(agent=agent, status=["running", "queued"]):
+            spec = self.spec(run.job_id)
+            if run.status == "queued":
+                run = self.store.update_run(run.run_id, status="running")
+            key = run.metrics.get("schedule_key")
+            schedule_json = spec.get("schedules", {}).get(key) if key else None
+            return serde.job_message(spec, job_id=run.job_id, run_id=run.run_id, kind=run.kind,
+                                     schedule_json=schedule_json)
+        return None
+
+    def pull(self, agent: str, wait_s: float, context) -> Any:
+        deadline = time.monotonic() + max(0.0, min(wait_s, MAX_PULL_WAIT_S))
+        context.add_callback(self.notify_work)  # a cancelled long poll wakes up and returns
+        while True:
+            with self._work:
+                generation = self._generation
+            job = self.next_job(agent)
+            if job is not None:
+                return job
+            with self._work:
+                while self._generation == generation and context.is_active():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    self._work.wait(remaining)
+            if not context.is_active() or time.monotonic() >= deadline:
+                return self.next_job(agent) if context.is_active() else None
+
+    def assigned_run(self, agent: str, run_id: str):
+        """The run, if it is assigned to ``agent``."""
+        try:
+            run = self.store.get_run(run_id)
+        except UnknownRunError:
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"no run {run_id!r} on this coordinator") from None
+        if run.agent != agent:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"run {run_id!r} is not assigned to node {agent!r}; report only runs handed to you by PullJob")
+        return run
+
+    def model_path(self, agent: str, digest: str) -> Path:
+        """The archive of ``digest``, if some run assigned to ``agent`` uses it."""
+        for run in self.store.list_runs(agent=agent):
+            if self.spec(run.job_id).get("model_digest") == digest:
+                path = self.models_dir / f"{digest}.pt2"
+                if path.is_file():
+                    return path
+                break
+        raise _Refused(grpc.StatusCode.NOT_FOUND,
+                       f"no model {digest!r} for this node (only the models of runs assigned to it can be fetched)")
+
+    # ------------------------------------------------------------------------------------ submit
+    def package(self, model: str, batch_size: int | None, seed: int):
+        key = (model, batch_size, seed)
+        with self._package_lock:
+            package = self._packages.get(key)
+            if package is None:
+                packager = self._packager
+                if packager is None:
+                    from host.fleet.model_package import package_model as packager
+                package = packager(model, self.models_dir, batch_size=batch_size, seed=seed)
+                self._packages[key] = package
+            return package
+
+    def board_profile(self, agent):
+        """The board's latest measured profile, else the shipped platform it names, else this machine's ("local")."""
+        from host.costs import PlatformProfile, list_platforms, load_profile
+
+        latest = self.store.latest_profile(agent.name)
+        if latest is not None:
+            return PlatformProfile.from_dict(latest.profile, file_label=f"measured profile v{latest.version} of {agent.name}")
+        if agent.platform in list_platforms():
+            return load_profile(agent.platform)
+        with self._solve_lock:
+            if self._local_profile is None:
+                if self._local_profile_factory is not None:
+                    self._local_profile = self._local_profile_factory()
+                else:
+                    from host.run.sources import load_platform
+
+                    flash = self.state_dir / "local-profile-flash"
+                    flash.mkdir(parents=True, exist_ok=True)
+                    self._local_profile = load_platform("local", flash_dir=flash, log=log.info)
+            return self._local_profile
+
+    def plan_board(self, agent, graph, request, optimizer: str, runtime_factor: float) -> tuple[BoardPlan, str | None]:
+        """Budget, price and solve for one board; (plan, schedule JSON or None)."""
+        from host.costs import price_graph
+        from host.run.solve import SolveSettings
+        from host.solver.solve import minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
+
+        profile = self.board_profile(agent)
+        priced = price_graph(graph, profile)
+        floor = minimum_ram_bytes(priced)
+        budget_kind = request.ram_budget.WhichOneof("budget")
+        if budget_kind == "budget_bytes":
+            budget = int(request.ram_budget.budget_bytes)
+        elif budget_kind == "fraction_of_peak":
+            budget = int(request.ram_budget.fraction_of_peak * no_remat_peak_bytes(priced))
+        else:
+            budget = auto_budget_bytes(agent.facts, graph, optimizer)
+
+        def refused(detail: str) -> BoardPlan:
+            return BoardPlan(agent.name, "does_not_fit", max(budget, 0), floor, None, None, None, {}, detail)
+
+        if budget < floor:
+            how = auto_budget_text(agent.facts, graph, optimizer) if budget_kind == "auto" else f"{budget} bytes"
+            return refused(f"RAM budget {how} is below the minimum any schedule of {graph.name} can meet: {floor} "
+                           f"bytes; give the board more memory or pick a smaller model or batch"), None
+        digest = profile_digest(profile)
+        key = (graph.fingerprint(), digest, budget, float(runtime_factor))
+        with self._solve_lock:
+            cached = self._schedules.get(key)
+            if cached is None:
+                settings = SolveSettings(runtime_budget=runtime_factor, time_limit_s=self.solve_time_limit_s)
+                log.info("solving %s for %s at %d bytes on %s", graph.name, agent.name, budget, profile.name)
+                result = solve_schedule(priced, settings.options(budget))
+                self.solve_count += 1
+                text = serde.schedule_json(result.schedule) if result.schedule is not None else None
+                cached = (result, text)
+                self._schedules[key] = cached
+        result, text = cached
+        if text is None:
+            if result.status == "infeasible":
+                return refused(f"no schedule fits: {result.message}"), None
+            return BoardPlan(agent.name, "failed", budget, floor, None, None, None, {},
+                             f"the solver found no schedule ({result.status}): {result.message}"), None
+        prediction = result.schedule.prediction
+        schedule_key = hashlib.sha256(serde.dumps([list(map(str, key))]).encode()).hexdigest()[:24]
+        fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        predicted = {"step_s": prediction.runtime_s, "peak_ram_bytes": float(prediction.peak_ram_bytes),
+                     "energy_j": prediction.energy_j, "energy_source": f"predicted:{profile.name}"}
+        counts = {"recomputes": prediction.recomputes, "page_ins": prediction.page_ins,
+                  "page_outs": prediction.page_outs}
+        return BoardPlan(agent.name, "queued", budget, floor, schedule_key, fingerprint, predicted, counts, None), text
+
+    def targets(self, request) -> list:
+        known = {a.name: a for a in self.store.list_agents()}
+        if request.all_agents:
+            now = time.time()
+            chosen = [a for a in known.values() if a.online(now, self.heartbeat_timeout_s)]
+            if not chosen:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                               "no agent is online; start `poet-agent run` on a board (see `poet fleet list`)")
+            return chosen
+        names = list(dict.fromkeys(request.agents))
+        if not names:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "name the boards (--agents A,B) or pass --all")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            listing = ", ".join(sorted(known)) or "none has registered"
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"unknown agent(s): {', '.join(unknown)}; known agents: {listing} (see `poet fleet list`)")
+        return [known[n] for n in names]
+
+    def submit(self, request) -> list:
+        from host.run.errors import user_errors
+
+        kind = serde.JOB_KIND_FROM_PB.get(request.kind or fleet_pb2.JOB_KIND_TRAIN)
+        optimizer = serde.OPTIMIZER_FROM_PB.get(request.optimizer or fleet_pb2.OPTIMIZER_SGD)
+        collect = serde.COLLECT_FROM_PB.get(request.collect or fleet_pb2.COLLECT_NONE)
+        if kind is None or optimizer is None or collect is None:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
+        runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
+        if runtime_factor < 1.0:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"runtime budget {runtime_factor} is below 1.0; give a factor >= 1.0 (e.g. 1.2)")
+        if kind != "profile":
+            if not request.model:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no model given; pass --model (see `poet models`)")
+            if not request.dataset:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no dataset given; pass --dataset NAME")
+            if request.steps < 1:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 1; pass --steps N")
+            budget_kind = request.ram_budget.WhichOneof("budget")
+            if budget_kind is None:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no RAM budget; pass --ram-budget BYTES|PCT|auto")
+            if budget_kind == "fraction_of_peak" and not 0 < request.ram_budget.fraction_of_peak <= 1:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a share of the no-remat peak must be in (0, 1]")
+            if budget_kind == "budget_bytes" and not request.ram_budget.budget_bytes > 0:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a RAM budget in bytes must be positive")
+        boards = self.targets(request)
+        spec: dict[str, Any] = {
+            "model": request.model, "dataset": request.dataset, "steps": request.steps, "optimizer": optimizer,
+            "lr": request.lr or DEFAULT_LR, "collect": collect, "seed": request.seed,
+            "runtime_budget": runtime_factor, "checkpoint_every_steps": DEFAULT_CHECKPOINT_EVERY_STEPS,
+            "ram_budget": json.loads(serde.json_format.MessageToJson(request.ram_budget)) if kind != "profile" else None,
+            "schedules": {},
+        }
+        plans: list[BoardPlan] = []
+        if kind == "profile":
+            plans = [BoardPlan(a.name, "queued", None, None, None, None, None, {}, None) for a in boards]
+        else:
+            try:
+                package = self.package(request.model, request.batch_size or None, request.seed)
+                for agent in boards:
+                    plan, text = self.plan_board(agent, package.graph, request, optimizer, runtime_factor)
+                    plans.append(plan)
+                    if text is not None:
+                        spec["schedules"][plan.schedule_key] = text
+            except user_errors() as error:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
+            spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
+                        grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,
+                        graph_fingerprint=package.graph.fingerprint())
+        job_id = f"job-{uuid.uuid4().hex[:12]}"
+        self.store.create_job(job_id, kind, spec)
+        self._specs[job_id] = spec
+        runs = []
+        for plan in plans:
+            run_id = f"run-{uuid.uuid4().hex[:12]}"
+            self.store.create_run(run_id, job_id, plan.agent, kind, status=plan.status,
+                                  ram_budget_bytes=plan.ram_budget_bytes,
+                                  schedule_fingerprint=plan.schedule_fingerprint, predicted=plan.predicted,
+                                  detail=plan.detail)
+            metrics = {"schedule_key": plan.schedule_key, "min_ram_budget_bytes": plan.min_ram_budget_bytes,
+                       "steps_done": 0, **plan.counts}
+            runs.append(self.store.update_run(run_id, metrics=metrics))
+        self.notify_work()
+        return [serde.run_info(run, spec) for run in runs]
+
+    # ------------------------------------------------------------------------------------ results
+    def report(self, agent: str, result) -> None:
+        run = self.assigned_run(agent, result.run_id)
+        if result.job_id and result.job_id != run.job_id:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"run {run.run_id!r} belongs to job {run.job_id!r}, not {result.job_id!r}")
+        if result.status not in (fleet_pb2.RUN_STATUS_DONE, fleet_pb2.RUN_STATUS_FAILED):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a result's status is DONE or FAILED")
+        with self._result_lock:
+            run = self.store.get_run(run.run_id)
+            if run.status in TERMINAL_STATUSES:
+                return  # a resend after a reconnect: the first report stands
+            update = serde.result_update(result)
+            if result.HasField("weights") and result.weights.safetensors:
+                update["metrics"]["weights_path"] = self._save_weights(run.run_id, result.weights)
+            if run.kind == "profile" and update["status"] == "done":
+                try:
+                    profile = json.loads(result.profile_json)
+                except ValueError as error:
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"profile_json is not JSON: {error}") from None
+                version = self.store.add_profile_version(agent, profile)
+                update["metrics"]["profile_version"] = version.version
+            self.store.update_run(run.run_id, **update)
+
+    def _save_weights(self, run_id: str, weights) -> str:
+        from device_agent.fileio import atomic_write_bytes
+
+        data = weights.safetensors
+        digest = hashlib.sha256(data).hexdigest()
+        if weights.digest and digest != weights.digest:
+            raise _Refused(grpc.StatusCode.DATA_LOSS,
+                           f"collected weights of run {run_id!r} have sha256 {digest}, not {weights.digest}: "
+                           "resend the result")
+        path = self.results_dir / f"{run_id}.safetensors"
+        atomic_write_bytes(path, data)
+        return f"{RESULTS_DIR}/{path.name}"
+
+    def telemetry(self, agent: str, batch):
+        run = self.assigned_run(agent, batch.run_id)
+        events = [(int(e.seq), serde.event_payload(e)) for e in batch.events]
+        acked = self.store.store_events(run.run_id, events) if events else self.store.acked_seq(run.run_id)
+        steps = [e.step.step for e in batch.events if e.WhichOneof("event") == "step"]
+        if steps and max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
+            last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
+            self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": last.step.loss})
+        return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run.run_id, stored_through_seq=acked)
+
+
+def auto_budget_bytes(facts: dict[str, Any], graph, optimizer: str = "sgd") -> int:
+    """`--ram-budget auto`: (memory limit, or available RAM) - fixed bytes - runtime RSS - AUTO_MARGIN_BYTES."""
+    limit = int(facts.get("memory_limit_bytes") or 0) or int(facts.get("ram_available_bytes") or 0)
+    return limit - fixed_bytes(graph, optimizer) - int(facts.get("runtime_rss_bytes") or 0) - AUTO_MARGIN_BYTES
+
+
+def auto_budget_text(facts: dict[str, Any], graph, optimizer: str = "sgd") -> str:
+    limit = int(facts.get("memory_limit_bytes") or 0)
+    source = "memory limit" if limit else "available RAM"
+    limit = limit or int(facts.get("ram_available_bytes") or 0)
+    return (f"auto = {source} {limit} - fixed {fixed_bytes(graph, optimizer)} - runtime RSS "
+            f"{int(facts.get('runtime_rss_bytes') or 0)} - margin {AUTO_MARGIN_BYTES} = "
+            f"{auto_budget_bytes(facts, graph, optimizer)} bytes")
+
+
+def fixed_bytes(graph, optimizer: str = "sgd") -> int:
+    """The graph's fixed bytes; AdamW's two moments per weight when the graph counted no optimizer state."""
+    extra = 2 * graph.param_bytes if optimizer == "adamw" and not graph.optimizer_state_bytes else 0
+    return graph.fixed_bytes + extra
+
+
+def profile_digest(profile) -> str:
+    return hashlib.sha256(serde.dumps(profile.to_dict()).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------ servicers
+def _handler(role: str):
+    """Wrap a servicer method: identify the caller (``name`` argument), turn refusals and store errors into statuses."""
+
+    def wrap(method):
+        def handle(self, request, context):
+            try:
+                name = self.coordinator.caller(context, role)
+                return method(self, request, context, name)
+            except _Refused as refused:
+                context.abort(refused.code, refused.message)
+            except AgentRemovedError as error:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
+            except UnknownRunError as error:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+            except StoreError as error:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+
+        handle.__name__ = method.__name__
+        handle.__doc__ = method.__doc__
+        return handle
+
+    return wrap
+
+
+class FleetServicer(fleet_pb2_grpc.FleetServicer):
+    """What boards call (node certificates only)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+
+    @_handler(NODE)
+    def Register(self, request, context, name):
+        c = self.coordinator
+        c.store.register_agent(name, request.platform or "local", serde.facts_from_register(request))
+        log.info("agent %s registered (%s)", name, request.platform)
+        c.notify_work()
+        return fleet_pb2.RegisterReply(agent_name=name, protocol_version=fleet_pb2.PROTOCOL_VERSION_1,
+                                       heartbeat_interval_s=c.heartbeat_interval_s, max_message_bytes=MAX_MESSAGE_BYTES,
+                                       model_chunk_bytes=MODEL_CHUNK_BYTES)
+
+    @_handler(NODE)
+    def Heartbeat(self, request, context, name):
+        c = self.coordinator
+        reply = fleet_pb2.HeartbeatReply(heartbeat_interval_s=c.heartbeat_interval_s)
+        try:
+            c.store.touch_agent(name)
+        except UnknownAgentError:
+            reply.register_again = True
+            return reply
+        if request.running_job_id:
+            mine = c.store.list_runs(job_id=request.running_job_id, agent=name)
+            if not mine or all(run.status in ("failed", "does_not_fit") for run in mine):
+                reply.cancel_job_ids.append(request.running_job_id)
+        return reply
+
+    @_handler(NODE)
+    def PullJob(self, request, context, name):
+        job = self.coordinator.pull(name, request.wait_s, context)
+        if job is None:
+            return fleet_pb2.PullJobReply(retry_after_s=0.0)
+        log.info("job %s (run %s) handed to %s", job.job_id, job.run_id, name)
+        return fleet_pb2.PullJobReply(job=job)
+
+    def FetchModel(self, request, context):
+        try:
+            name = self.coordinator.caller(context, NODE)
+            path = self.coordinator.model_path(name, request.digest)
+        except _Refused as refused:
+            context.abort(refused.code, refused.message)
+        total = path.stat().st_size
+        if request.offset_bytes > total:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"offset {request.offset_bytes} is past the end of model {request.digest} ({total} bytes); "
+                          "fetch from 0")
+        with open(path, "rb") as archive:
+            archive.seek(request.offset_bytes)
+            offset = request.offset_bytes
+            while context.is_active():
+                data = archive.read(MODEL_CHUNK_BYTES)
+                if not data:
+                    return
+                yield fleet_pb2.ModelChunk(offset_bytes=offset, data=data, chunk_sha256=hashlib.sha256(data).hexdigest(),
+                                           total_size_bytes=total)
+                offset += len(data)
+
+    def StreamTelemetry(self, request_iterator, context):
+        c = self.coordinator
+        try:
+            name = c.caller(context, NODE)
+        except _Refused as refused:
+            context.abort(refused.code, refused.message)
+        for batch in request_iterator:
+            try:
+                ack = c.telemetry(name, batch)
+            except _Refused as refused:
+                context.abort(refused.code, refused.message)
+            except StoreError as error:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            yield ack
+
+    @_handler(NODE)
+    def ReportResult(self, request, context, name):
+        self.coordinator.report(name, request)
+        log.info("run %s reported by %s", request.run_id, name)
+        return fleet_pb2.ReportResultReply()
+
+
+class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
+    """What operators call (operator certificates only)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+
+    @_handler(OPERATOR)
+    def ListAgents(self, request, context, name):
+        c, now = self.coordinator, time.time()
+        agents = [serde.agent_info(a, online=a.online(now, c.heartbeat_timeout_s)) for a in c.store.list_agents()]
+        return fleet_pb2.ListAgentsReply(agents=agents)
+
+    @_handler(OPERATOR)
+    def RemoveAgent(self, request, context, name):
+        c = self.coordinator
+        try:
+            c.store.remove_agent(request.name)
+        except UnknownAgentError:
+            return fleet_pb2.RemoveAgentReply(removed=False)
+        for run in c.store.list_runs(agent=request.name, status=["queued", "running"]):
+            c.store.update_run(run.run_id, status="failed",
+                               detail=f"agent {request.name!r} was removed by operator {name!r}")
+        log.info("agent %s removed by %s", request.name, name)
+        return fleet_pb2.RemoveAgentReply(removed=True)
+
+    @_handler(OPERATOR)
+    def SubmitRun(self, request, context, name):
+        runs = self.coordinator.submit(request)
+        log.info("%s submitted %s on %d board(s)", name, request.model or "a profile", len(runs))
+        return fleet_pb2.SubmitRunReply(runs=runs)
+
+    @_handler(OPERATOR)
+    def ListRuns(self, request, context, name):
+        c = self.coordinator
+        return fleet_pb2.ListRunsReply(runs=[serde.run_info(r, c.spec(r.job_id)) for r in c.store.list_runs()])
+
+    @_handler(OPERATOR)
+    def GetRun(self, request, context, name):
+        c = self.coordinator
+        run = c.store.get_run(request.run_id)
+        return serde.run_info(run, c.spec(run.job_id))
+
+
+def add_services(server: grpc.Server, coordinator: Coordinator) -> None:
+    fleet_pb2_grpc.add_FleetServicer_to_server(FleetServicer(coordinator), server)
+    fleet_pb2_grpc.add_FleetAdminServicer_to_server(FleetAdminServicer(coordinator), server)
+
+
+SERVICE_NAMES = ("poet.v1.Fleet", "poet.v1.FleetAdmin")
