@@ -130,3 +130,99 @@ def check_schedule_file(schedule: Schedule, source: str) -> None:
             f"{source} has no graph_fingerprint, so it cannot be checked against the model it is run on: "
             "solve the schedule again with `poet solve --out`"
         )
+
+
+# ------------------------------------------------------------------------------------------ fleet
+_fleet = protos.load("poet.v1.fleet_pb2")
+
+
+def grouping_to_proto(spec, *, batch_shape: tuple[int, ...], batch_dtype: str, num_classes: int):
+    """A :class:`~device_agent.executor.split.PartitionSpec` as the job's NodeGrouping."""
+    message = _fleet.NodeGrouping(
+        batch_placeholders=list(spec.batch_placeholders),
+        reference_placeholder=spec.reference_placeholder,
+        loss_value=spec.loss_value,
+        node_flops=[int(f) for f in spec.node_flops],
+        granularity=spec.granularity,
+        batch_shape=[int(d) for d in batch_shape],
+        batch_dtype=batch_dtype,
+        num_classes=int(num_classes),
+    )
+    for group in spec.groups:
+        message.groups.add(
+            name=group.name, kind=group.kind, ops=list(group.ops), reads=list(group.reads),
+            produces=list(group.produces), param_names=list(group.param_names),
+            buffer_names=list(group.buffer_names), bwd_index=-1 if group.bwd_index is None else group.bwd_index,
+            grad_reads=list(group.grad_reads), pinned_internals=group.pinned_internals,
+        )
+    return message
+
+
+def partition_spec_from_proto(grouping, schedule: Schedule):
+    """The PartitionSpec a job describes: its grouping plus the schedule's graph nodes (ScheduleFormatError)."""
+    from device_agent.executor.partition import PartitionNode
+    from device_agent.executor.split import GroupSpec, PartitionSpec
+
+    size = len(schedule.nodes)
+    if len(grouping.node_flops) != size:
+        raise ScheduleFormatError(
+            f"the job's grouping gives FLOPs for {len(grouping.node_flops)} nodes but its schedule has {size}")
+    groups = []
+    forward_of: dict[int, int] = {}
+    for index, group in enumerate(grouping.groups):
+        if index >= size or schedule.nodes[index].kind not in ("fwd", "loss") or schedule.nodes[index].name != group.name:
+            raise ScheduleFormatError(
+                f"the job's grouping names node {index} {group.name!r}, which is not fwd/loss node {index} of its "
+                "schedule: grouping and schedule come from different traces")
+        bwd_index = None if group.bwd_index < 0 else int(group.bwd_index)
+        if bwd_index is not None:
+            if not index < bwd_index < size or schedule.nodes[bwd_index].kind != "bwd":
+                raise ScheduleFormatError(f"node {index} ({group.name}) names backward node {bwd_index}, which the "
+                                          "schedule does not have")
+            forward_of[bwd_index] = index
+        groups.append(GroupSpec(
+            index=index, name=group.name, kind=group.kind, ops=tuple(group.ops), reads=tuple(group.reads),
+            produces=tuple(group.produces), param_names=tuple(group.param_names),
+            buffer_names=tuple(group.buffer_names), bwd_index=bwd_index, grad_reads=tuple(group.grad_reads),
+            pinned_internals=group.pinned_internals,
+        ))
+    nodes = tuple(
+        PartitionNode(i, n.name, n.kind, tuple(n.deps), n.output_bytes, forward_of.get(i)) for i, n in enumerate(schedule.nodes)
+    )
+    missing = [n.name for n in nodes if n.kind == "bwd" and n.forward_index is None]
+    if missing:
+        raise ScheduleFormatError(f"backward node {missing[0]!r} differentiates no node of the job's grouping")
+    return PartitionSpec(
+        graph_name=schedule.graph_name, groups=tuple(groups), nodes=nodes,
+        node_flops=tuple(int(f) for f in grouping.node_flops), batch_placeholders=tuple(grouping.batch_placeholders),
+        reference_placeholder=grouping.reference_placeholder, loss_value=grouping.loss_value,
+        granularity=grouping.granularity or "layer",
+    )
+
+
+_INSTRUCTION_FIELDS = ("step", "position", "node", "node_name", "node_kind", "duration_s", "bytes_moved",
+                       "ram_in_use_bytes", "rss_bytes", "recompute", "cpu_s")
+_STEP_FIELDS = ("step", "duration_s", "loss", "peak_tracked_bytes", "peak_pinned_bytes", "ram_budget_bytes",
+                "fixed_bytes", "computes", "recomputes", "page_ins", "page_outs", "frees", "bytes_paged_out",
+                "bytes_paged_in", "compute_s", "paging_s", "optimizer_s", "cpu_s", "energy_source", "rss_peak_bytes",
+                "program_runs", "backward_runs", "saved_tensor_reads")
+
+
+def telemetry_event_to_proto(event, *, job_id: str, unix_time_s: float):
+    """An executor event (InstructionEvent or StepSummary) as a TelemetryEvent without its sequence number."""
+    message = _fleet.TelemetryEvent(job_id=job_id, unix_time_s=unix_time_s)
+    if event.type == "instruction":
+        message.instruction.CopyFrom(_fleet.InstructionTelemetry(
+            kind=_KIND_TO_PB[event.kind], location=_LOCATION_TO_PB[event.location],
+            **{f: getattr(event, f) for f in _INSTRUCTION_FIELDS},
+        ))
+    else:
+        step = _fleet.StepTelemetry(**{f: getattr(event, f) for f in _STEP_FIELDS})
+        if event.energy_j is not None:
+            step.energy_j = event.energy_j
+        message.step.CopyFrom(step)
+    return message
+
+
+def rss_event_to_proto(rss_bytes: int, *, job_id: str, unix_time_s: float):
+    return _fleet.TelemetryEvent(job_id=job_id, unix_time_s=unix_time_s, rss=_fleet.RssSample(rss_bytes=rss_bytes))

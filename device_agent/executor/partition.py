@@ -6,7 +6,9 @@ named (the trace's fx value names): a program reads named inputs and returns nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,3 +91,13 @@ def unique_by_identity(items) -> list:
             seen.add(id(item))
             result.append(item)
     return result
+
+
+def graph_fingerprint(graph_name: str, nodes: Sequence[tuple[str, str, int, int, list[int]]]) -> str:
+    """A stable hash of a TrainingGraph's structure: (name, kind, output bytes, FLOPs, deps) per node.
+
+    A schedule records it; the executor and a board check it, so a schedule never runs on another trace.
+    """
+    payload = [[name, kind, int(output_bytes), int(flops), [int(d) for d in deps]]
+               for name, kind, output_bytes, flops, deps in nodes]
+    return hashlib.sha256(json.dumps([graph_name, payload]).encode()).hexdigest()[:16]

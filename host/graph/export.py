@@ -22,28 +22,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
-
-from host.graph.op_tables import is_view
 
 if TYPE_CHECKING:
     from host.graph.zoo import ModelBundle
 
 __all__ = [
-    "MODEL_ATTR", "TraceError", "drop_unused_ops", "export_error", "export_program", "is_guard", "rewrite_inplace",
+    "MODEL_ATTR", "TraceError", "export_error", "export_program",
 ]  # fmt: skip
 
 MODEL_ATTR = "model"  # the wrapper's attribute holding the user's module: module paths start with it
-_GUARDS_TARGET = "_guards_fn"  # input-shape guard that ep.module() adds; not part of any group
 
 
 class TraceError(ValueError):
     """A model that cannot be traced into a TrainingGraph; the message names the op or line and a fix."""
-
-
-def is_guard(node: Node) -> bool:
-    """The input-shape guard call that ``ep.module()`` adds: it belongs to no group and is never dropped."""
-    return node.op == "call_module" and node.target == _GUARDS_TARGET
 
 
 class _LossWrapper(nn.Module):
@@ -115,8 +106,12 @@ def export_error(error: Exception, bundle: ModelBundle) -> TraceError:
     )
 
 
-def export_program(bundle: ModelBundle) -> GraphModule:
-    """``torch.export`` of the model with its loss, as a runnable GraphModule (a TraceError on failure)."""
+def export_program(bundle: ModelBundle) -> torch.export.ExportedProgram:
+    """``torch.export`` of the model with its loss (a TraceError on failure).
+
+    ``.module()`` of the result, through :func:`device_agent.executor.split.make_schedulable`, is the program
+    the trace groups; a board rebuilds the same from the saved archive.
+    """
     wrapper = _LossWrapper(bundle.module, bundle.loss_fn)
     # On failure torch logs a warning and prints partial graphs to stderr; the TraceError says it better,
     # so that output is held back and replayed only when export succeeds.
@@ -132,45 +127,4 @@ def export_program(bundle: ModelBundle) -> GraphModule:
     finally:
         shapes_log.setLevel(level)
     sys.stderr.write(held.getvalue())
-    return program.module()
-
-
-def rewrite_inplace(gm: GraphModule) -> None:
-    """Make in-place ops on activations out of place when nothing reads the mutated tensor afterwards."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    changed = False
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        schema = target._schema
-        if not schema.arguments or not schema.is_mutable:
-            continue
-        alias = schema.arguments[0].alias_info
-        if (
-            alias is None
-            or not alias.is_write
-            or sum(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) != 1
-        ):
-            continue
-        base_name = target._schema.name.split("::")[-1]
-        if not base_name.endswith("_"):
-            continue
-        functional_packet = getattr(torch.ops.aten, base_name[:-1], None)
-        functional = getattr(functional_packet, target._overloadname, None) if functional_packet else None
-        mutated = node.args[0] if node.args else None
-        if functional is None or not isinstance(mutated, Node) or mutated.op != "call_function" or is_view(mutated):
-            continue
-        others = [u for u in mutated.users if u is not node]
-        if any(is_view(u) or order[u] > order[node] for u in others):
-            continue
-        node.target = functional
-        changed = True
-    if changed:
-        gm.recompile()
-
-
-def drop_unused_ops(gm: GraphModule) -> None:
-    """Export keeps ops whose results are unused (e.g. Hugging Face mask helpers): drop them."""
-    if gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_guard(n)):
-        gm.recompile()
+    return program

@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from host.graph.export import MODEL_ATTR, TraceError, is_guard
-from host.graph.op_tables import SHAPE_ONLY_OPS, is_view, op_name
+from device_agent.executor import split
+from device_agent.executor.split import is_guard, is_view, op_name
+from host.graph.export import MODEL_ATTR, TraceError
+from host.graph.op_tables import SHAPE_ONLY_OPS
 
 if TYPE_CHECKING:
     from host.graph.trace import NodeGroup
@@ -209,19 +210,7 @@ def draft_names(
 
 def build_group_module(gm: GraphModule, group: NodeGroup) -> GraphModule:
     """A GraphModule running only ``group``'s nodes: placeholders are its inputs, it returns its outputs."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    graph = torch.fx.Graph()
-    env: dict[Node, Node] = {}
-    for name in group.input_values:
-        env[by_name[name]] = graph.placeholder(name)
-    for name in group.fx_nodes:
-        node = by_name[name]
-        for arg in node.all_input_nodes:
-            if arg not in env and arg.op == "get_attr":
-                env[arg] = graph.node_copy(arg)
-        env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[by_name[v]] for v in group.output_values))
-    return GraphModule(gm, graph, class_name=f"Group{group.index}")
+    return split.build_group_module(gm, group.index, group.fx_nodes, group.input_values, group.output_values)
 
 
 @dataclass

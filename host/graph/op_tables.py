@@ -10,26 +10,16 @@ A backward is the counter's backward FLOPs plus 2 x the forward FLOPs that came 
 from __future__ import annotations
 
 import math
-import operator
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.fx import Node
+
+from device_agent.executor.split import MAYBE_VIEW_OPS, VIEW_OPS, is_view, op_name
 
 __all__ = ["CLASS_PRIORITY", "SHAPE_ONLY_OPS", "classify_op", "is_view", "op_name", "tensors"]
 
-_VIEW_OPS = frozenset(
-    {
-        "view", "_unsafe_view", "view_as", "permute", "transpose", "t", "expand", "expand_as", "unsqueeze",
-        "squeeze", "slice", "select", "detach", "alias", "as_strided", "unflatten", "split", "split_with_sizes",
-        "chunk", "unbind", "narrow", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "unfold",
-        "view_as_real", "view_as_complex", "real", "imag", "numpy_T", "mT", "mH", "adjoint", "_reshape_alias",
-        "getitem", "tensor_split", "hsplit", "vsplit", "dsplit",
-    }
-)  # fmt: skip
-_MAYBE_VIEW_OPS = frozenset({"reshape", "reshape_as", "flatten", "contiguous", "to", "type_as"})
 _CONV_OPS = frozenset(
     {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
      "conv_transpose3d", "conv_tbc", "mkldnn_convolution"}
@@ -60,7 +50,7 @@ _REDUCTION_OPS = frozenset(
     {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
      "linalg_vector_norm", "prod", "logsumexp", "argmax", "argmin", "all", "any"}
 )  # fmt: skip
-_ZERO_FLOP_OPS = _VIEW_OPS | _MAYBE_VIEW_OPS | frozenset(
+_ZERO_FLOP_OPS = VIEW_OPS | MAYBE_VIEW_OPS | frozenset(
     {"embedding", "embedding_bag", "gather", "scatter", "scatter_add", "index", "index_select", "index_put",
      "index_add", "index_copy", "cat", "concat", "stack", "clone", "copy", "_to_copy", "zeros", "zeros_like",
      "ones", "ones_like", "full", "full_like", "empty", "empty_like", "empty_strided", "arange", "scalar_tensor",
@@ -76,38 +66,6 @@ SHAPE_ONLY_OPS = frozenset(
 )  # fmt: skip
 # When several classes tie on FLOPs, the first one here names the group.
 CLASS_PRIORITY = ("conv", "matmul", "norm", "pool", "loss", "elementwise", "other")
-
-
-def op_name(node: Node) -> str:
-    """The op's base name without overload: ``aten.conv2d.default`` -> ``conv2d``."""
-    target = node.target
-    if isinstance(target, str):
-        return target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(target, "__name__", str(target))
-
-
-def is_view(node: Node) -> bool:
-    """True when the op returns an alias of its first argument (so it owns no new memory)."""
-    if node.target is operator.getitem:
-        return True
-    name = op_name(node)
-    if name in _VIEW_OPS:
-        return True
-    if name not in _MAYBE_VIEW_OPS or not node.args or not isinstance(node.args[0], Node):
-        return False
-    # reshape/flatten/contiguous/to alias only for some strides: replay the op on a meta tensor.
-    value = node.args[0].meta.get("val")
-    if not isinstance(value, torch.Tensor) or any(isinstance(a, Node) for a in node.args[1:]):
-        return False
-    try:
-        probe = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        result = node.target(probe, *node.args[1:], **node.kwargs)
-    except Exception:
-        return False
-    return isinstance(result, torch.Tensor) and (result is probe or result._is_view())
 
 
 def _numel(value: Any) -> int:

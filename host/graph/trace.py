@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule, Node
 
-from host.graph.export import TraceError, drop_unused_ops, export_program, rewrite_inplace
+from device_agent.executor.split import make_schedulable
+from host.graph.export import TraceError, export_program
 from host.graph.grouping import GROUP_META_KEY, INPUT_NODE, LOSS_NODE, Grouping, build_group_module, group_program
 from host.graph.measure import (
     PINNED_INTERNALS_MAX_FRACTION,
@@ -97,6 +98,7 @@ class TracedModel:
     granularity: str
     trace_seconds: float
     value_producer: dict[str, int]  # fx value -> index of the group that produces it (placeholders: input group)
+    exported: torch.export.ExportedProgram | None = None  # what a board receives (torch.export.save)
     _group_modules: dict[int, GraphModule] = field(default_factory=dict, repr=False)
 
     def group_module(self, index: int) -> GraphModule:
@@ -139,9 +141,8 @@ def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: in
 
 def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: float) -> TracedModel:
     """The passes in order; the forward run and the backward re-runs draw from the RNG in this order."""
-    gm = export_program(bundle)
-    rewrite_inplace(gm)
-    drop_unused_ops(gm)
+    exported = export_program(bundle)
+    gm = make_schedulable(exported.module())
     user_inputs, label_node = _split_placeholders(gm, bundle)
     grouping = group_program(gm, user_inputs, bundle.module, granularity, block_depth)
     forward = _run_forward(gm, bundle, grouping)
@@ -163,6 +164,7 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
         granularity=granularity,
         trace_seconds=time.perf_counter() - started,
         value_producer=producer,
+        exported=exported,
         _group_modules=backwards.group_modules,
     )
 

@@ -7,8 +7,6 @@ reported next to the budget and never scheduled.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -113,9 +111,9 @@ class TrainingGraph:
 
     def fingerprint(self) -> str:
         """A stable hash of the structure (names, kinds, bytes, FLOPs, deps): detects a changed trace."""
-        payload = [(n.name, n.kind, n.output_bytes, n.flops, list(n.deps)) for n in self.nodes]
-        digest = hashlib.sha256(json.dumps([self.name, payload]).encode()).hexdigest()
-        return digest[:16]
+        from device_agent.executor.partition import graph_fingerprint
+
+        return graph_fingerprint(self.name, [(n.name, n.kind, n.output_bytes, n.flops, list(n.deps)) for n in self.nodes])
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict:
