@@ -1,0 +1,357 @@
+"""The coordinator over real mutual-TLS gRPC on loopback: this test plays the boards and the operator."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+
+from device_agent import protos
+from host.fleet import certs, service
+from host.fleet.server import start_coordinator
+from host.fleet.store import RunStore, sqlite_url
+
+fleet_pb2 = protos.load("poet.v1.fleet_pb2")
+fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
+TIMEOUT_S = 120
+MIB = 1024 * 1024
+MODEL = "mlp"
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("certs") / "fleet"
+    certs.init_certs(root)
+    for name in ("pi-1", "pi-2", "pi-3", "pi-gone", "pi-small"):
+        certs.issue_cert(root, name, "node")
+    certs.issue_cert(root, "alice", "operator")
+    return root
+
+
+@pytest.fixture
+def coordinator(cert_dir, tmp_path):
+    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state")
+    yield running
+    running.stop(grace_s=0)
+
+
+def _channel(cert_dir, name, port):
+    return grpc.secure_channel(f"127.0.0.1:{port}", certs.channel_credentials(cert_dir / name))
+
+
+def node(cert_dir, name, port):
+    return fleet_pb2_grpc.FleetStub(_channel(cert_dir, name, port))
+
+
+def admin(cert_dir, port, name="alice"):
+    return fleet_pb2_grpc.FleetAdminStub(_channel(cert_dir, name, port))
+
+
+def facts(**overrides):
+    values = dict(protocol_version=fleet_pb2.PROTOCOL_VERSION_1, platform="a72", ram_total_bytes=4096 * MIB,
+                  ram_available_bytes=2048 * MIB, memory_limit_bytes=0, flash_capacity_bytes=32 * 1024 * MIB,
+                  flash_free_bytes=16 * 1024 * MIB, cpu_count=4, torch_version="2.13.0", meters=["modelled"],
+                  runtime_rss_bytes=300 * MIB, agent_version="test")
+    values.update(overrides)
+    return fleet_pb2.RegisterRequest(**values)
+
+
+def register(cert_dir, port, name, **overrides):
+    stub = node(cert_dir, name, port)
+    reply = stub.Register(facts(**overrides), timeout=TIMEOUT_S)
+    assert reply.agent_name == name
+    return stub
+
+
+def submit(cert_dir, port, *, agents=(), all_agents=False, budget=None, kind=fleet_pb2.JOB_KIND_TRAIN, steps=3):
+    request = fleet_pb2.SubmitRunRequest(model=MODEL, dataset="digits", steps=steps, agents=list(agents),
+                                         all_agents=all_agents, kind=kind, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
+                                         collect=fleet_pb2.COLLECT_NONE, seed=0,
+                                         ram_budget=budget or fleet_pb2.RamBudget(fraction_of_peak=1.0))
+    return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value
+
+
+# ------------------------------------------------------------------------------------------ identity
+def test_a_node_may_not_call_fleet_admin_and_an_operator_may_not_call_fleet(cert_dir, coordinator):
+    port = coordinator.port
+    as_node = fleet_pb2_grpc.FleetAdminStub(_channel(cert_dir, "pi-1", port))
+    error = refused(lambda: as_node.ListAgents(fleet_pb2.ListAgentsRequest(), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "node 'pi-1'" in error.details() and "--operator" in error.details()
+    as_operator = fleet_pb2_grpc.FleetStub(_channel(cert_dir, "alice", port))
+    error = refused(lambda: as_operator.Register(facts(), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "operator 'alice'" in error.details() and "--node" in error.details()
+    assert coordinator.store.list_agents() == []  # the operator was not registered as a board
+
+
+def test_a_removed_node_is_refused(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-gone")
+    ops = admin(cert_dir, coordinator.port)
+    assert ops.RemoveAgent(fleet_pb2.RemoveAgentRequest(name="pi-gone"), timeout=TIMEOUT_S).removed
+    assert not ops.RemoveAgent(fleet_pb2.RemoveAgentRequest(name="nobody"), timeout=TIMEOUT_S).removed
+    for call in (lambda: stub.Register(facts(), timeout=TIMEOUT_S),
+                 lambda: stub.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=TIMEOUT_S),
+                 lambda: stub.PullJob(fleet_pb2.PullJobRequest(wait_s=0), timeout=TIMEOUT_S)):
+        error = refused(call)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "poet fleet remove" in error.details() and "poet certs issue" in error.details()
+    assert [a.name for a in ops.ListAgents(fleet_pb2.ListAgentsRequest(), timeout=TIMEOUT_S).agents] == []
+
+
+def test_health_is_serving(cert_dir, coordinator):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(_channel(cert_dir, "alice", coordinator.port))
+    for name in ("", "poet.v1.Fleet", "poet.v1.FleetAdmin"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT_S)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_register_heartbeat_and_list_agents(cert_dir, coordinator):
+    stub = node(cert_dir, "pi-1", coordinator.port)
+    assert stub.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=TIMEOUT_S).register_again  # unknown yet
+    reply = stub.Register(facts(memory_limit_bytes=512 * MIB), timeout=TIMEOUT_S)
+    assert (reply.agent_name, reply.heartbeat_interval_s) == ("pi-1", service.HEARTBEAT_INTERVAL_S)
+    assert reply.max_message_bytes == service.MAX_MESSAGE_BYTES and reply.model_chunk_bytes == MIB
+    beat = stub.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=TIMEOUT_S)
+    assert not beat.register_again and list(beat.cancel_job_ids) == []
+    agents = admin(cert_dir, coordinator.port).ListAgents(fleet_pb2.ListAgentsRequest(), timeout=TIMEOUT_S).agents
+    assert [(a.name, a.platform, a.online, a.memory_limit_bytes, list(a.meters)) for a in agents] == [
+        ("pi-1", "a72", True, 512 * MIB, ["modelled"])]
+
+
+# ------------------------------------------------------------------------------------------ submit
+def test_unknown_agents_are_named_with_the_known_ones(cert_dir, coordinator):
+    register(cert_dir, coordinator.port, "pi-1")
+    error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1", "pi-9"]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pi-9" in error.details() and "known agents: pi-1" in error.details()
+
+
+def test_identical_boards_cost_one_solve_and_get_the_same_schedule(cert_dir, coordinator):
+    for name in ("pi-1", "pi-2"):
+        register(cert_dir, coordinator.port, name)
+    register(cert_dir, coordinator.port, "pi-3", platform="jetsontx2")
+    runs = submit(cert_dir, coordinator.port, all_agents=True, budget=fleet_pb2.RamBudget(fraction_of_peak=0.8))
+    by_agent = {r.agent: r for r in runs}
+    assert sorted(by_agent) == ["pi-1", "pi-2", "pi-3"]
+    assert coordinator.coordinator.solve_count == 2  # pi-1 and pi-2 share one schedule; pi-3's profile differs
+    assert by_agent["pi-1"].schedule_fingerprint == by_agent["pi-2"].schedule_fingerprint
+    for run in runs:
+        assert run.status == fleet_pb2.RUN_STATUS_QUEUED and run.schedule_fingerprint
+        assert run.predicted.step_s > 0 and run.predicted.peak_ram_bytes <= run.ram_budget_bytes
+        assert run.predicted.energy_source == f"predicted:{'jetsontx2' if run.agent == 'pi-3' else 'a72'}"
+    again = submit(cert_dir, coordinator.port, agents=["pi-1"], budget=fleet_pb2.RamBudget(fraction_of_peak=0.8))
+    assert coordinator.coordinator.solve_count == 2 and again[0].schedule_fingerprint == by_agent["pi-1"].schedule_fingerprint
+
+
+def test_auto_budget_arithmetic_and_does_not_fit_with_the_minimum(cert_dir, coordinator):
+    from host.costs import load_profile, price_graph
+    from host.fleet.model_package import package_model
+    from host.solver.solve import minimum_ram_bytes
+
+    graph = package_model(MODEL, coordinator.coordinator.models_dir).graph
+    floor = minimum_ram_bytes(price_graph(graph, load_profile("a72")))
+    rss = 200 * MIB
+    overhead = graph.fixed_bytes + rss + service.AUTO_MARGIN_BYTES
+    register(cert_dir, coordinator.port, "pi-1", memory_limit_bytes=overhead + floor + 1000, runtime_rss_bytes=rss)
+    register(cert_dir, coordinator.port, "pi-small", memory_limit_bytes=overhead + floor // 2, runtime_rss_bytes=rss,
+             ram_available_bytes=4096 * MIB)  # the limit wins over available RAM
+    runs = {r.agent: r for r in submit(cert_dir, coordinator.port, agents=["pi-1", "pi-small"],
+                                       budget=fleet_pb2.RamBudget(auto=True))}
+    assert runs["pi-1"].status == fleet_pb2.RUN_STATUS_QUEUED
+    assert runs["pi-1"].ram_budget_bytes == floor + 1000
+    small = runs["pi-small"]
+    assert small.status == fleet_pb2.RUN_STATUS_DOES_NOT_FIT
+    assert small.min_ram_budget_bytes == floor and small.ram_budget_bytes == floor // 2
+    assert "below the minimum" in small.error and str(floor) in small.error and "memory limit" in small.error
+    assert not small.schedule_fingerprint
+    # a board never handed a run that does not fit
+    assert not node(cert_dir, "pi-small", coordinator.port).PullJob(
+        fleet_pb2.PullJobRequest(wait_s=0), timeout=TIMEOUT_S).HasField("job")
+
+
+# ------------------------------------------------------------------------------------------ the board's side
+def _pull(stub, wait_s=5.0):
+    reply = stub.PullJob(fleet_pb2.PullJobRequest(wait_s=wait_s), timeout=TIMEOUT_S)
+    return reply.job if reply.HasField("job") else None
+
+
+def test_pull_job_long_poll_wakes_on_submit_and_fetch_model_streams_the_archive(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    assert _pull(stub, wait_s=0.2) is None
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("job", _pull(stub, wait_s=25)))
+    started = time.monotonic()
+    waiter.start()
+    time.sleep(0.5)
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    waiter.join(TIMEOUT_S)
+    assert time.monotonic() - started < 20  # woken by the submit, not by the 25 s timeout
+    job = got["job"]
+    assert (job.run_id, job.kind, job.steps, job.dataset) == (run.run_id, fleet_pb2.JOB_KIND_TRAIN, 3, "digits")
+    assert job.HasField("schedule") and job.HasField("grouping") and len(job.model_digest) == 64
+    assert admin(cert_dir, coordinator.port).GetRun(fleet_pb2.GetRunRequest(run_id=run.run_id),
+                                                    timeout=TIMEOUT_S).status == fleet_pb2.RUN_STATUS_RUNNING
+    archive = (coordinator.coordinator.models_dir / f"{job.model_digest}.pt2").read_bytes()
+    chunks = list(stub.FetchModel(fleet_pb2.FetchModelRequest(digest=job.model_digest), timeout=TIMEOUT_S))
+    assert b"".join(c.data for c in chunks) == archive and len(archive) == job.model_size_bytes
+    assert all(c.chunk_sha256 == hashlib.sha256(c.data).hexdigest() for c in chunks)
+    tail = list(stub.FetchModel(fleet_pb2.FetchModelRequest(digest=job.model_digest, offset_bytes=100),
+                                timeout=TIMEOUT_S))
+    assert tail[0].offset_bytes == 100 and b"".join(c.data for c in tail) == archive[100:]
+    error = refused(lambda: list(stub.FetchModel(fleet_pb2.FetchModelRequest(digest="0" * 64), timeout=TIMEOUT_S)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    other = register(cert_dir, coordinator.port, "pi-2")  # not assigned that model
+    error = refused(lambda: list(other.FetchModel(fleet_pb2.FetchModelRequest(digest=job.model_digest),
+                                                  timeout=TIMEOUT_S)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _events(run_id, seqs, job_id="job"):
+    out = []
+    for seq in seqs:
+        event = fleet_pb2.TelemetryEvent(seq=seq, job_id=job_id, unix_time_s=1.0)
+        if seq % 2:
+            event.step.CopyFrom(fleet_pb2.StepTelemetry(step=seq, loss=1.0 / seq, duration_s=0.01))
+        else:
+            event.rss.CopyFrom(fleet_pb2.RssSample(rss_bytes=1000 + seq))
+        out.append(event)
+    return fleet_pb2.TelemetryBatch(stream_id="s1", run_id=run_id, events=out)
+
+
+def test_telemetry_is_acknowledged_through_the_contiguous_prefix_and_duplicates_dropped(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    batches = [_events(run.run_id, [1, 2, 3]), _events(run.run_id, [2, 3, 5]), _events(run.run_id, [4])]
+    acks = list(stub.StreamTelemetry(iter(batches), timeout=TIMEOUT_S))
+    assert [(a.stream_id, a.run_id, a.stored_through_seq) for a in acks] == [
+        ("s1", run.run_id, 3), ("s1", run.run_id, 3), ("s1", run.run_id, 5)]
+    info = admin(cert_dir, coordinator.port).GetRun(fleet_pb2.GetRunRequest(run_id=run.run_id), timeout=TIMEOUT_S)
+    assert info.events_stored == 5 and info.steps_done == 5
+    assert [seq for seq, _ in coordinator.store.get_events(run.run_id)] == [1, 2, 3, 4, 5]
+    other = register(cert_dir, coordinator.port, "pi-2")
+    error = refused(lambda: list(other.StreamTelemetry(iter([_events(run.run_id, [6])]), timeout=TIMEOUT_S)))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "not assigned" in error.details()
+    assert coordinator.store.acked_seq(run.run_id) == 5
+
+
+def test_report_result_is_idempotent_and_stores_collected_weights(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    job = _pull(stub)
+    weights = b"not really safetensors, just bytes"
+    result = fleet_pb2.RunResult(
+        job_id=job.job_id, run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, loss_per_step=[2.0, 1.5, 1.25],
+        accuracy_before=0.1, accuracy_after=0.6, param_digest="ab" * 32, events_emitted=42,
+        measured=fleet_pb2.StepFigures(step_s=0.02, peak_ram_bytes=9000, energy_j=0.5, energy_source="modelled:x"),
+        weights=fleet_pb2.WeightsRef(collect=fleet_pb2.COLLECT_WEIGHTS, digest=hashlib.sha256(weights).hexdigest(),
+                                     size_bytes=len(weights), safetensors=weights))
+    stub.ReportResult(result, timeout=TIMEOUT_S)
+    again = fleet_pb2.RunResult()
+    again.CopyFrom(result)
+    again.loss_per_step[:] = [9.0]
+    stub.ReportResult(again, timeout=TIMEOUT_S)  # a resend after a reconnect: accepted, changes nothing
+    info = admin(cert_dir, coordinator.port).GetRun(fleet_pb2.GetRunRequest(run_id=run.run_id), timeout=TIMEOUT_S)
+    assert info.status == fleet_pb2.RUN_STATUS_DONE and info.final_loss == 1.25
+    assert (info.accuracy_before, info.accuracy_after, info.events_emitted) == (0.1, 0.6, 42)
+    assert (info.measured.step_s, info.measured.energy_j, info.measured.energy_source) == (0.02, 0.5, "modelled:x")
+    assert (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").read_bytes() == weights
+    assert _pull(stub, wait_s=0) is None  # done: never handed out again
+    other = register(cert_dir, coordinator.port, "pi-2")
+    assert refused(lambda: other.ReportResult(result, timeout=TIMEOUT_S)).code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_bad_weights_digest_is_refused_and_nothing_written(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    result = fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE,
+                                 weights=fleet_pb2.WeightsRef(digest="0" * 64, safetensors=b"abc"))
+    assert refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S)).code() == grpc.StatusCode.DATA_LOSS
+    assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+    assert coordinator.store.get_run(run.run_id).status == "queued"
+
+
+def test_a_profile_result_becomes_the_boards_measured_profile(cert_dir, coordinator):
+    from host.costs import load_profile
+
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"], kind=fleet_pb2.JOB_KIND_PROFILE)[0]
+    job = _pull(stub)
+    assert job.kind == fleet_pb2.JOB_KIND_PROFILE and not job.HasField("schedule")
+    measured = load_profile("a72").to_dict() | {"name": "pi-1-measured", "energy_source": "measured:test"}
+    import json
+
+    result = fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, profile_json=json.dumps(measured))
+    stub.ReportResult(result, timeout=TIMEOUT_S)
+    stub.ReportResult(result, timeout=TIMEOUT_S)
+    assert coordinator.store.latest_profile("pi-1").version == 1  # the resend added no second version
+    train = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    assert train.predicted.energy_source == "predicted:pi-1-measured"
+
+
+def test_heartbeat_cancels_a_job_whose_run_failed(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    job = _pull(stub)
+    beat = stub.Heartbeat(fleet_pb2.HeartbeatRequest(running_job_id=job.job_id), timeout=TIMEOUT_S)
+    assert list(beat.cancel_job_ids) == []
+    coordinator.store.update_run(run.run_id, status="failed", detail="stopped")
+    beat = stub.Heartbeat(fleet_pb2.HeartbeatRequest(running_job_id=job.job_id), timeout=TIMEOUT_S)
+    assert list(beat.cancel_job_ids) == [job.job_id]
+
+
+# ------------------------------------------------------------------------------------------ restart
+_SERVE_AND_SUBMIT = textwrap.dedent("""
+    import sys
+    from host.fleet.server import start_coordinator
+    running = start_coordinator("127.0.0.1:0", sys.argv[1], state_dir=sys.argv[2])
+    print(running.port, flush=True)
+    sys.stdin.readline()  # killed before this returns
+""")
+
+
+def test_a_running_run_is_handed_out_again_after_the_coordinator_is_killed(cert_dir, tmp_path):
+    from tests.host.cli.helpers import test_env
+
+    state = tmp_path / "state"
+    first = subprocess.Popen([sys.executable, "-c", _SERVE_AND_SUBMIT, str(cert_dir), str(state)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=test_env())
+    try:
+        port = int(first.stdout.readline())
+        stub = register(cert_dir, port, "pi-1")
+        run = submit(cert_dir, port, agents=["pi-1"])[0]
+        job = _pull(stub)
+        assert job.run_id == run.run_id
+        acks = list(stub.StreamTelemetry(iter([_events(run.run_id, [1, 2])]), timeout=TIMEOUT_S))
+        assert acks[-1].stored_through_seq == 2
+    finally:
+        first.kill()  # SIGKILL: no shutdown code runs
+        first.wait(TIMEOUT_S)
+    with RunStore(sqlite_url(state)) as store:
+        assert store.get_run(run.run_id).status == "running"
+    second = start_coordinator("127.0.0.1:0", cert_dir, state_dir=state)
+    try:
+        stub = register(cert_dir, second.port, "pi-1")  # the board reconnects
+        again = _pull(stub)
+        assert (again.run_id, again.job_id, again.model_digest) == (job.run_id, job.job_id, job.model_digest)
+        assert again.schedule == job.schedule and again.grouping == job.grouping
+        chunks = list(stub.FetchModel(fleet_pb2.FetchModelRequest(digest=again.model_digest), timeout=TIMEOUT_S))
+        assert sum(len(c.data) for c in chunks) == again.model_size_bytes
+        acks = list(stub.StreamTelemetry(iter([_events(run.run_id, [2, 3])]), timeout=TIMEOUT_S))
+        assert acks[-1].stored_through_seq == 3 and second.store.events_stored(run.run_id) == 3
+    finally:
+        second.stop(grace_s=0)
