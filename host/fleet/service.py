@@ -393,10 +393,15 @@ class Coordinator:
             if result.HasField("weights") and result.weights.safetensors:
                 update["metrics"]["weights_path"] = self._save_weights(run.run_id, result.weights)
             if run.kind == "profile" and update["status"] == "done":
+                from host.costs import PlatformProfile
+
                 try:
                     profile = json.loads(result.profile_json)
-                except ValueError as error:
-                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"profile_json is not JSON: {error}") from None
+                    PlatformProfile.from_dict(profile, file_label=f"the profile of run {run.run_id}")
+                except ValueError as error:  # ProfileError is a ValueError too
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"profile_json is not a platform profile ({error}); the agent must send what "
+                                   f"`poet profile --local` writes") from None
                 version = self.store.add_profile_version(agent, profile)
                 update["metrics"]["profile_version"] = version.version
             self.store.update_run(run.run_id, **update)

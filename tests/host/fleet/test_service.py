@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -293,8 +294,9 @@ def test_a_profile_result_becomes_the_boards_measured_profile(cert_dir, coordina
     job = _pull(stub)
     assert job.kind == fleet_pb2.JOB_KIND_PROFILE and not job.HasField("schedule")
     measured = load_profile("a72").to_dict() | {"name": "pi-1-measured", "energy_source": "measured:test"}
-    import json
-
+    bad = fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, profile_json='{"name": "x"}')
+    assert refused(lambda: stub.ReportResult(bad, timeout=TIMEOUT_S)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert coordinator.store.latest_profile("pi-1") is None
     result = fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, profile_json=json.dumps(measured))
     stub.ReportResult(result, timeout=TIMEOUT_S)
     stub.ReportResult(result, timeout=TIMEOUT_S)
