@@ -37,7 +37,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     ]
     optional = (
         ("host.graph.trace", "TraceError"),
-        ("host.costs.local_bench", "LocalBenchError"),
+        ("device_agent.profiling", "LocalBenchError"),
         ("host.solver.backends.pulp_backend", "SolverUnavailableError"),
     )
     for module_name, name in optional:  # modules with optional dependencies

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import platform as platform_module
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,20 +58,13 @@ def make_optimizer(name: str, parameters, lr: float | None = None):
 
 
 def local_energy_meter(profile=None):
-    """The modelled meter for this machine: the local profile's powers, or local_bench's assumptions."""
-    import torch
+    """The modelled meter for this machine: the local profile's powers, or the documented assumptions."""
+    from device_agent.profiling import default_energy_meter
 
-    from device_agent.meters.modelled import ModelledEnergyMeter
-    from host.costs import local_bench
-
-    threads = torch.get_num_threads()
-    if profile is not None and profile.energy_source == local_bench.ENERGY_SOURCE:
-        return ModelledEnergyMeter(profile.compute_power_w, profile.memory_power_w, threads)
-    machine = platform_module.machine().lower()
-    key = machine if machine in local_bench._CPU_POWER_PER_THREAD_W else local_bench._FALLBACK_MACHINE
-    return ModelledEnergyMeter(
-        local_bench._CPU_POWER_PER_THREAD_W[key] * threads, local_bench._STORAGE_POWER_W[key], threads
-    )
+    powers = None if profile is None else {"energy_source": profile.energy_source,
+                                           "compute_power_w": profile.compute_power_w,
+                                           "memory_power_w": profile.memory_power_w}
+    return default_energy_meter(profile=powers)
 
 
 def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int,

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from host.costs import local_bench
-from host.costs.local_bench import LocalBenchError, fit_latency_throughput, profile_local_machine
+from device_agent import profiling as local_bench
+from device_agent.profiling import LocalBenchError, fit_latency_throughput
+from host.costs.local_bench import profile_local_machine
 from host.costs.pricing import price_graph
 from host.costs.profile import OP_CLASSES, PlatformProfile, load_profile, save_profile
 from host.graph.training_graph import GraphBuilder
