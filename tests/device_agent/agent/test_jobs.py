@@ -1,0 +1,101 @@
+"""The board's job runner: TRAIN/VERIFY under a paging schedule on the board's own data, resume, results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load
+
+import poet_edge
+from device_agent.agent.jobs import JobCancelled, JobError, JobRunner
+from device_agent.agent.telemetry import TelemetrySink
+from device_agent.protos import load as load_proto
+from device_agent.serde import schedule_to_proto
+from host.fleet.model_package import package_model
+
+fleet_pb2 = load_proto("poet.v1.fleet_pb2")
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    root = tmp_path_factory.mktemp("board")
+    subprocess.run([Path(sys.executable).with_name("poet-agent"), "datasets", "make-demo", "--data-dir",
+                    str(root / "data"), "--shard", "1/2"], check=True, capture_output=True)
+    package = package_model("mlp", root / "models", batch_size=BATCH)
+    schedule = poet_edge.solve("mlp", platform="a72", ram_budget="80%", batch_size=BATCH, time_limit_s=20).schedule
+    return root, package, schedule
+
+
+def _job(package, schedule, run_id: str, **fields):
+    settings = dict(job_id=f"job-{run_id}", run_id=run_id, kind=fleet_pb2.JOB_KIND_TRAIN, model_digest=package.digest,
+                    grouping=package.grouping, schedule=schedule_to_proto(schedule), steps=12,
+                    optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05, dataset="digits", seed=4, checkpoint_every_steps=3)
+    settings.update(fields)
+    return fleet_pb2.Job(**settings)
+
+
+def _runner(root: Path, state: str) -> tuple[JobRunner, TelemetrySink]:
+    (root / state).mkdir(exist_ok=True)
+    (root / "flash").mkdir(exist_ok=True)
+    runner = JobRunner(flash_dir=root / "flash", data_dir=root / "data", state_dir=root / state)
+    return runner, TelemetrySink(root / state)
+
+
+def test_verify_job_trains_on_board_data_and_matches_plain_training(material):
+    root, package, schedule = material
+    runner, sink = _runner(root, "state-verify")
+    job = _job(package, schedule, "verify", kind=fleet_pb2.JOB_KIND_VERIFY, steps=20,
+               collect=fleet_pb2.COLLECT_DELTA)
+    result = runner.run(job, package.path, sink.for_run("verify"), threading.Event())
+    assert result.status == fleet_pb2.RUN_STATUS_DONE
+    assert len(result.loss_per_step) == 20
+    assert result.max_rel_param_diff == 0.0  # same weights, batches and RNG: bitwise
+    assert result.accuracy_after > result.accuracy_before
+    assert result.events_emitted == sink.for_run("verify").emitted > 20 * len(schedule.instructions)
+    assert result.measured.step_s > 0 and result.measured.peak_ram_bytes > 0
+    assert result.measured.energy_source.startswith("modelled:")
+    delta = load(result.weights.safetensors)
+    assert any(float(t.abs().max()) > 0 for t in delta.values())
+    assert (root / "state-verify" / "runs" / "verify" / "weights.safetensors").is_file()
+
+
+def test_a_job_cancelled_mid_way_resumes_to_the_same_parameters(material):
+    root, package, schedule = material
+    runner, sink = _runner(root, "state-plain")
+    whole = runner.run(_job(package, schedule, "whole"), package.path, sink.for_run("whole"), threading.Event())
+
+    runner, sink = _runner(root, "state-resume")
+    cancel = threading.Event()
+
+    def stop_after_seven(step: int) -> None:
+        if step == 7:
+            cancel.set()
+
+    with pytest.raises(JobCancelled, match="step 7"):
+        runner.run(_job(package, schedule, "cut"), package.path, sink.for_run("cut"), cancel,
+                   progress=stop_after_seven)
+    resumed = runner.run(_job(package, schedule, "cut"), package.path, sink.for_run("cut"), threading.Event())
+    assert resumed.param_digest == whole.param_digest
+    assert list(resumed.loss_per_step) == list(whole.loss_per_step)
+
+
+def test_a_dataset_of_another_shape_is_a_clear_error(material, tmp_path):
+    root, package, schedule = material
+    import numpy as np
+
+    (tmp_path / "data" / "wide").mkdir(parents=True)
+    np.savez(tmp_path / "data" / "wide" / "shard0.npz", x=np.zeros((40, 32), np.float32), y=np.zeros(40, np.int64))
+    (tmp_path / "flash").mkdir()
+    runner = JobRunner(flash_dir=tmp_path / "flash", data_dir=tmp_path / "data", state_dir=tmp_path)
+    sink = TelemetrySink(tmp_path)
+    with pytest.raises(JobError, match=r"shape \(32,\).*takes \(64,\)"):
+        runner.run(_job(package, schedule, "wide", dataset="wide"), package.path, sink.for_run("wide"),
+                   threading.Event())
+    with pytest.raises(JobError, match="no dataset 'absent'"):
+        runner.run(_job(package, schedule, "absent", dataset="absent"), package.path, sink.for_run("absent"),
+                   threading.Event())
