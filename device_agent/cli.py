@@ -1,15 +1,21 @@
 """The `poet-agent` command (device side): one subcommand group per concern.
 
-``datasets`` manages the board's local training data; ``run`` (the gRPC agent) and ``bridge`` (the
-serial bridge) join as their own groups. Exit codes: 0 done, 1 internal error, 2 bad input.
+``run`` is the fleet agent (device_agent/agent/client.py); ``datasets`` manages the board's local
+training data; ``bridge`` (the serial bridge) joins as its own group. Exit codes: 0 done (``run``:
+stopped by SIGTERM), 1 internal error, 2 bad input, 3 (``run``) refused by the coordinator, 130 SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import sys
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -81,13 +87,117 @@ def _run_datasets(args) -> int:
     return EXIT_USAGE if invalid else EXIT_OK
 
 
+RUN_EPILOG = """\
+exit codes: 0 stopped by SIGTERM (a running job is cancelled after its checkpoint and resumes when the
+agent starts again), 1 internal error, 2 bad flags, directories or certificate bundle, 3 refused by the
+coordinator (PERMISSION_DENIED: this node was removed or its certificate is not accepted; not retried),
+130 stopped by SIGINT. Unreachable coordinators, broken connections and TLS handshake failures are
+retried forever with exponential backoff and full jitter (1 s doubling to --max-backoff-s), each retry
+logged. Every event is one line on stderr: [agent NAME] ...; "registered with HOST:PORT" follows each
+successful registration. State (STATE_DIR): models/<sha256>.pt2 (verified model archives),
+runs/<run_id>/ (telemetry.db, the run's durable telemetry; result.pb, a result waiting to be reported;
+the job's checkpoints).
+"""
+
+
+def _default_max_backoff_s() -> float:
+    """``POET_AGENT_MAX_BACKOFF_S`` (tests shorten the backoff with it), else 20 s."""
+    try:
+        return float(os.environ.get("POET_AGENT_MAX_BACKOFF_S") or 20.0)
+    except ValueError:
+        return 20.0
+
+
+def _add_run(sub) -> None:
+    run = sub.add_parser(
+        "run", help="run the fleet agent: register with the coordinator, pull jobs, train, stream telemetry",
+        description="Dial the coordinator over mutual TLS, register this board, and run the jobs it hands out "
+        "until stopped. The agent only dials out.", epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    run.add_argument("--certs", required=True, metavar="BUNDLE_DIR",
+                     help="this node's bundle (ca.pem, cert.pem, key.pem) from `poet certs issue --node NAME`")
+    run.add_argument("--flash-dir", required=True, help="where training pages activations out (created if missing)")
+    run.add_argument("--data-dir", required=True, help="the board's datasets (see `poet-agent datasets`)")
+    run.add_argument("--state-dir", required=True,
+                     help="models, telemetry buffers, pending results, checkpoints (created if missing)")
+    run.add_argument("--platform", default="local", help="the profile name this board runs as (default: local)")
+    run.add_argument("--memory-limit", metavar="BYTES",
+                     help="RAM this agent may use: bytes or 512M, 2G, 512MiB, 1.5GB; the smaller of this and the "
+                     "cgroup's memory.max is reported")
+    run.add_argument("--max-backoff-s", type=float, default=_default_max_backoff_s(), metavar="S",
+                     help="longest pause between reconnection attempts (default: 20, or POET_AGENT_MAX_BACKOFF_S)")
+
+
+_TARGET = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>[0-9]{1,5})")
+
+
+def _check_target(target: str) -> str:
+    match = _TARGET.fullmatch(target or "")
+    if not match or not 0 < int(match.group("port")) < 65536:
+        raise ValueError(f"--coordinator {target!r} is not HOST:PORT (e.g. coordinator.lan:50051, 10.0.0.5:50051 "
+                         "or [fd00::5]:50051)")
+    return target
+
+
+def _check_dir(flag: str, path: str, *, create: bool) -> Path:
+    directory = Path(path)
+    if create:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    if not directory.is_dir():
+        hint = " (make a dataset with `poet-agent datasets make-demo --data-dir DIR`)" if flag == "--data-dir" else ""
+        raise ValueError(f"{flag} {path} does not exist or is not a directory{hint}")
+    if create:
+        try:
+            fd, name = tempfile.mkstemp(prefix=".poet-agent-write-check.", dir=directory)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path} is not writable by this user ({exc.strerror or exc})") from None
+    return directory
+
+
+def _run_agent(args) -> int:
+    # gRPC's C core logs (e.g. every failed handshake at INFO) would interleave with the agent's own lines.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from device_agent.agent.client import EXIT_INTERRUPTED, EXIT_OK, Agent, AgentConfig
+    from device_agent.agent.credentials import CertError, load_bundle
+    from device_agent.agent.facts import parse_bytes
+
+    try:
+        _check_target(args.coordinator)
+        load_bundle(args.certs)
+        if not (args.max_backoff_s > 0) or args.max_backoff_s == float("inf"):
+            raise ValueError(f"--max-backoff-s must be a positive number of seconds, not {args.max_backoff_s}")
+        memory_limit = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
+        config = AgentConfig(
+            coordinator=args.coordinator, certs=Path(args.certs),
+            flash_dir=_check_dir("--flash-dir", args.flash_dir, create=True),
+            data_dir=_check_dir("--data-dir", args.data_dir, create=False),
+            state_dir=_check_dir("--state-dir", args.state_dir, create=True),
+            platform=args.platform, memory_limit_bytes=memory_limit, max_backoff_s=args.max_backoff_s)
+    except (ValueError, CertError) as exc:
+        print(f"poet-agent run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    agent = Agent(config)
+    signal.signal(signal.SIGTERM, lambda *_: agent.request_stop(EXIT_OK))
+    signal.signal(signal.SIGINT, lambda *_: agent.request_stop(EXIT_INTERRUPTED))
+    return agent.run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poet-agent", description="poet-edge device agent",
-        epilog="exit codes: 0 done, 1 internal error, 2 bad input or unusable data",
+        epilog="exit codes: 0 done, 1 internal error, 2 bad input or unusable data (`run` adds 3: refused by "
+        "the coordinator; see `poet-agent run --help`)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the agent version")
+    _add_run(sub)
     _add_datasets(sub)
     return parser
 
@@ -99,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"poet-agent {version('poet-edge')}")
         return EXIT_OK
+    if args.command == "run":
+        return _run_agent(args)
     from device_agent.agent.datasets import DatasetError
 
     try:

@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from device_agent.agent import facts as board_facts
+from device_agent.agent.buffer import DEFAULT_MAX_EVENTS
 from device_agent.agent.credentials import channel_credentials
 from device_agent.agent.results import PendingResults
 from device_agent.agent.telemetry import TelemetryClosed, TelemetrySender, TelemetrySink
@@ -118,6 +119,7 @@ class AgentConfig:
     memory_limit_bytes: int | None = None
     max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
     pull_wait_s: float = PULL_WAIT_S
+    max_events_per_run: int = DEFAULT_MAX_EVENTS  # telemetry held per run before training pauses
 
 
 class _Refused(Exception):
@@ -210,7 +212,7 @@ class Agent:
         self._channel = grpc.secure_channel(config.coordinator, credentials,
                                             options=channel_options(config.max_backoff_s))
         self._stub = fleet_pb2_grpc.FleetStub(self._channel)
-        self._sink = TelemetrySink(config.state_dir, log=self.log)
+        self._sink = TelemetrySink(config.state_dir, config.max_events_per_run, log=self.log)
         self._results = PendingResults(config.state_dir)
         self._models = ModelStore(config.state_dir, log=self.log)
         self._tidy_state()
@@ -390,6 +392,7 @@ class Agent:
             worker.join(0.2)
             if self._stop.is_set():
                 cancel.set()
+                self._sink.interrupt()  # a runner blocked on a full telemetry buffer would never see the cancel
         self._job = self._job_cancel = None
         result = outcome[0] if outcome else None
         interrupted = self._stop.is_set() and not self._cancelled_by_coordinator

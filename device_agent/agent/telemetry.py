@@ -85,6 +85,9 @@ class RunTelemetry:
             try:
                 self.buffer.append_many(payloads)
             except BufferFullError:
+                if sink.interrupted:
+                    raise TelemetryClosed(f"telemetry buffer of run {self.run_id} is full and the agent is "
+                                          "stopping: the job stops here and resumes from its checkpoint") from None
                 if not self.full:
                     self.full = True
                     sink.log(f"telemetry buffer full for run {self.run_id}: pausing training until the "
@@ -110,6 +113,7 @@ class TelemetrySink:
         self.max_events_per_run = max_events_per_run
         self.log = log
         self.closed = False
+        self.interrupted = False  # the agent is stopping: an emit waiting for space gives up
         self._lock = threading.Lock()
         self._runs: dict[str, RunTelemetry] = {}
         self._retiring: set[str] = set()
@@ -197,6 +201,12 @@ class TelemetrySink:
                 self.space.notify_all()
             self._retire_if_drained(run_id)
         return freed
+
+    def interrupt(self) -> None:
+        """Make emits that wait for space (and only those) raise :class:`TelemetryClosed`: the agent is stopping."""
+        self.interrupted = True
+        with self.space:
+            self.space.notify_all()
 
     def close(self) -> None:
         """Wake and refuse waiting emits; close every buffer (their events stay on disk)."""

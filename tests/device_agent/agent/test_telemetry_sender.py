@@ -146,7 +146,8 @@ def test_full_buffer_blocks_the_runner_until_acks_free_space(cert_root, server, 
         sink.close()
 
 
-def test_close_releases_a_blocked_emit(tmp_path):
+@pytest.mark.parametrize("how", ["close", "interrupt"])
+def test_stopping_releases_a_blocked_emit(tmp_path, how):
     sink = TelemetrySink(tmp_path, max_events_per_run=1, log=lambda _m: None)
     run = sink.for_run("run-c")
     run.emit(_event(0))
@@ -162,9 +163,14 @@ def test_close_releases_a_blocked_emit(tmp_path):
     thread.start()
     time.sleep(0.3)
     assert thread.is_alive()
-    sink.close()
+    getattr(sink, how)()
     thread.join(5)
-    assert failure
+    assert failure and run.emitted == 1
+    if how == "interrupt":
+        sink.apply_ack("run-c", run.buffer.stream_id, 1)
+        run.emit(_event(2))  # an emit with room still succeeds while stopping
+        assert run.emitted == 2
+    sink.close()
 
 
 def test_restart_resumes_numbering_and_sends_what_was_left(cert_root, server, tmp_path):
