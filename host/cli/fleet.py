@@ -47,21 +47,23 @@ def cmd_serve(args, console: Console) -> int:
     except ValueError as error:
         raise CliError(f"--listen {error}") from None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir)
-    except (CertError, StoreError) as error:
-        raise CliError(str(error)) from None
-    except RuntimeError as error:  # grpc: the address cannot be bound
-        raise CliError(f"cannot listen on {args.listen} ({error}); pick another --listen HOST:PORT") from None
-    print(f"listening on {running.address}", file=sys.stderr, flush=True)
-    stopped = threading.Event()
-    try:
+    running = None
+    try:  # SIGTERM may come at any moment from here on: host/cli/main.py raises KeyboardInterrupt for it
+        try:
+            running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir)
+        except (CertError, StoreError) as error:
+            raise CliError(str(error)) from None
+        except RuntimeError as error:  # grpc: the address cannot be bound
+            raise CliError(f"cannot listen on {args.listen} ({error}); pick another --listen HOST:PORT") from None
+        print(f"listening on {running.address}", file=sys.stderr, flush=True)
+        stopped = threading.Event()
         while not stopped.wait(1.0):
             pass
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (host/cli/main.py raises it for both)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a requested, graceful stop
         console.log("shutting down")
     finally:
-        running.stop()
+        if running is not None:
+            running.stop()
     console.log("stopped")
     return EXIT_OK
 
@@ -237,7 +239,8 @@ def _wait(op: Operator, runs: list, console: Console) -> list:
                 why = f": {run.error}" if run.error else ""
                 console.log(f"  {run.agent}: {status}{loss}, {run.events_stored} events received{why}")
             if status not in FINISHED:
-                parts.append(f"{run.agent} {status} step {run.steps_done}/{run.steps} events {run.events_stored}")
+                loss = f" loss {run.last_loss:.4f}" if run.HasField("last_loss") else ""
+                parts.append(f"{run.agent} {status} step {run.steps_done}/{run.steps}{loss} events {run.events_stored}")
         if not parts:
             return [latest[r.run_id] for r in runs]
         console.status.line("  " + "  |  ".join(parts))

@@ -110,7 +110,7 @@ def run_info(record, spec: dict[str, Any] | None = None):
         steps_done=int(metrics.get("steps_done") or 0), model=spec.get("model") or "",
         dataset=spec.get("dataset") or "",
     )
-    for name in ("final_loss", "accuracy_before", "accuracy_after", "max_rel_param_diff"):
+    for name in ("final_loss", "accuracy_before", "accuracy_after", "max_rel_param_diff", "last_loss"):
         if metrics.get(name) is not None:
             setattr(info, name, float(metrics[name]))
     for name, values in (("predicted", record.predicted), ("measured", record.measured)):

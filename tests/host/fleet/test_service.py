@@ -242,7 +242,7 @@ def test_telemetry_is_acknowledged_through_the_contiguous_prefix_and_duplicates_
     assert [(a.stream_id, a.run_id, a.stored_through_seq) for a in acks] == [
         ("s1", run.run_id, 3), ("s1", run.run_id, 3), ("s1", run.run_id, 5)]
     info = admin(cert_dir, coordinator.port).GetRun(fleet_pb2.GetRunRequest(run_id=run.run_id), timeout=TIMEOUT_S)
-    assert info.events_stored == 5 and info.steps_done == 5
+    assert info.events_stored == 5 and info.steps_done == 5 and info.last_loss == pytest.approx(1 / 5)
     assert [seq for seq, _ in coordinator.store.get_events(run.run_id)] == [1, 2, 3, 4, 5]
     other = register(cert_dir, coordinator.port, "pi-2")
     error = refused(lambda: list(other.StreamTelemetry(iter([_events(run.run_id, [6])]), timeout=TIMEOUT_S)))
