@@ -67,6 +67,23 @@ def _mlp() -> nn.Module:
     )
 
 
+DIGITS_HIDDEN = 512
+DIGITS_HIDDEN_LAYERS = 6
+
+
+def _digits_mlp() -> nn.Module:
+    """The fleet demo's classifier for scikit-learn's 8x8 digits: 64 -> 512 x 6 hidden layers -> 10 classes.
+
+    Deep and narrow on purpose: the hard floor (one layer's activations) is far below the no-remat peak
+    (all of them), so a board with little memory gets a real schedule instead of does_not_fit.
+    """
+    layers: list[nn.Module] = [nn.Linear(64, DIGITS_HIDDEN), nn.ReLU()]
+    for _ in range(DIGITS_HIDDEN_LAYERS - 1):
+        layers += [nn.Linear(DIGITS_HIDDEN, DIGITS_HIDDEN), nn.ReLU()]
+    layers.append(nn.Linear(DIGITS_HIDDEN, 10))
+    return nn.Sequential(*layers)
+
+
 LINEAR_NUM_LAYERS = 10
 
 
@@ -460,6 +477,7 @@ class ModelSpec:
 # board's RAM); 8 for the small CIFAR / MLP models so batch statistics are meaningful yet cheap.
 _SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("mlp", "tiny MLP 64 -> 128 -> 128 -> 10 for quick tests", (64,), "float", None, 8, _mlp, (10,)),
+    ModelSpec("digits_mlp", "MLP for the 8x8 digits, 64 -> 512 x 6 -> 10 (the fleet demo's model)", (64,), "float", None, 512, _digits_mlp, (10,)),
     ModelSpec("linear", "chain of 10 Linear layers, 784 -> 1024 x 9 -> 10", (784,), "float", None, 8, _linear, (10,)),
     ModelSpec("vgg16", "VGG-16 on ImageNet (3x224x224, 1000 classes)", (3, 224, 224), "float", None, 1, _vgg16, (1000,)),
     ModelSpec("vgg16_cifar", "VGG-16 on CIFAR-10 (3x32x32, 10 classes)", (3, 32, 32), "float", None, 8, _vgg16_cifar, (10,)),
