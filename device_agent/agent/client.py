@@ -445,7 +445,10 @@ class Agent:
         except ModelFetchError as exc:
             result = self._failed(job, str(exc))
         except Exception as exc:  # noqa: BLE001  (a job's failure is reported, never the agent's end)
-            result = self._failed(job, f"{type(exc).__name__}: {exc}")
+            if cancel.is_set() and self._stop.is_set() and not self._cancelled_by_coordinator:
+                return None  # the runner stopped for the agent's shutdown (JobCancelled): it resumes later
+            prefix = "cancelled by the coordinator: " if self._cancelled_by_coordinator and cancel.is_set() else ""
+            result = self._failed(job, f"{prefix}{type(exc).__name__}: {exc}")
         if not result.job_id:
             result.job_id = job.job_id
         if not result.run_id:
