@@ -45,7 +45,7 @@ def test_verify_with_a_model_factory_and_dropout_recomputed(capfd, tmp_path):
 
 def test_verify_fails_when_parameters_differ(capfd, tmp_path, monkeypatch):
     """Sabotage the RNG replay: the recomputed dropout mask changes, verify notices and exits non-zero."""
-    import host.graph.partition as partition
+    import device_agent.executor.split as partition
 
     monkeypatch.setattr(partition, "_draws_random", lambda module: False)
     argv = ["verify", "--model", f"{__name__}:dropout_mlp", "--input-shape", "8,32", "--platform", "a72",

@@ -23,6 +23,7 @@ from host.graph.zoo import (
 
 EXPECTED_NAMES = {
     "mlp",
+    "digits_mlp",
     "linear",
     "vgg16",
     "vgg16_cifar",
