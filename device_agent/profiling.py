@@ -1,7 +1,7 @@
 """Measure THIS machine into a platform profile (``poet profile --local``, and a board's PROFILE job).
 
-The profile is returned as the fields of ``host.costs.PlatformProfile`` (the host validates them with
-``host.costs.local_bench.profile_from_fields``),
+The profile is returned in the profile file format (what ``poet profile --local`` writes; the host validates
+it with ``host.costs.PlatformProfile.from_dict``),
 so a board measures itself without the host's packages.
 
 Measured: compute throughput per op class (torch on CPU, median of timed repetitions after warm-up)
@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 ENERGY_SOURCE = "modelled:cpu-time×power"
+PROFILE_SCHEMA_VERSION = 1  # of the profile file format (host.costs.profile.SCHEMA_VERSION; a test checks they agree)
 
 # Assumed active power per busy CPU thread, by platform.machine(). x86-64: a desktop/server core under
 # full load draws roughly 5-10 W (a 65 W TDP 8-core desktop part ~8 W/core, a 205 W 28-core server part
@@ -340,22 +341,20 @@ def profile_local_machine(
         f"this machine: {machine}, {os.cpu_count()} CPUs, torch {torch.__version__} with {threads} threads, "
         f"measured by poet profile --local{' (quick)' if quick else ''}; energy is modelled (time x assumed power)"
     )
-    return dict(
-        name=name,
-        description=description,
-        flops_per_s=flops_per_s,
-        energy_per_flop_j=None,
-        compute_power_w=float(compute_power_w),
-        page_in_latency_s=in_latency_s,
-        page_in_throughput_bytes_per_s=in_throughput,
-        page_out_latency_s=out_latency_s,
-        page_out_throughput_bytes_per_s=out_throughput,
-        memory_power_w=float(memory_power_w),
-        board_power_w=float(compute_power_w),
-        bytes_per_element=4,
-        energy_source=ENERGY_SOURCE,
-        sources=sources,
-    )
+    compute = {"flops_per_s": dict(flops_per_s), "compute_power_w": float(compute_power_w)}
+    return {
+        "schema_version": PROFILE_SCHEMA_VERSION,
+        "name": name,
+        "description": description,
+        "compute": compute,
+        "page_in": {"latency_s": in_latency_s, "throughput_bytes_per_s": in_throughput},
+        "page_out": {"latency_s": out_latency_s, "throughput_bytes_per_s": out_throughput},
+        "memory_power_w": float(memory_power_w),
+        "board_power_w": float(compute_power_w),
+        "bytes_per_element": 4,
+        "energy_source": ENERGY_SOURCE,
+        "sources": sources,
+    }
 
 
 def default_energy_meter(threads: int | None = None, profile: dict | None = None):

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from device_agent.profiling import ENERGY_SOURCE, LocalBenchError, default_energy_meter, measure_compute_flops_per_s
 from device_agent.profiling import profile_local_machine as measure_local_machine
-from host.costs.profile import PlatformProfile, ProfileError
+from host.costs.profile import PlatformProfile
 
 __all__ = ["ENERGY_SOURCE", "LocalBenchError", "default_energy_meter", "measure_compute_flops_per_s",
-           "profile_from_fields", "profile_local_machine"]
+           "profile_local_machine"]
 
 
 def profile_local_machine(flash_dir: str, *, name: str = "local", quick: bool = False,
@@ -22,14 +22,4 @@ def profile_local_machine(flash_dir: str, *, name: str = "local", quick: bool = 
     """Benchmark this machine's CPU (torch) and ``flash_dir`` storage into a profile with modelled energy."""
     fields = measure_local_machine(flash_dir, name=name, quick=quick, progress=progress,
                                    compute_power_w=compute_power_w, memory_power_w=memory_power_w)
-    return profile_from_fields(fields)
-
-
-def profile_from_fields(fields: dict) -> PlatformProfile:
-    """A validated PlatformProfile from what :func:`device_agent.profiling.profile_local_machine` returns
-    (a board's PROFILE result carries the same fields as JSON)."""
-    try:
-        profile = PlatformProfile(**fields)
-    except TypeError as error:
-        raise ProfileError(f"a measured profile has unexpected fields: {error}") from None
-    return PlatformProfile.from_dict(profile.to_dict(), file_label=f"measured profile {profile.name!r}")
+    return PlatformProfile.from_dict(fields, file_label=f"local profile {name!r}")

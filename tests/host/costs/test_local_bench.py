@@ -131,3 +131,10 @@ def test_fit_clamps_negative_latency_and_handles_flat_data():
 def test_profile_validates_like_a_file(quick_profile):
     profile = quick_profile[0]
     assert PlatformProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_the_board_writes_the_profile_schema_the_host_reads():
+    from device_agent.profiling import PROFILE_SCHEMA_VERSION
+    from host.costs.profile import SCHEMA_VERSION
+
+    assert PROFILE_SCHEMA_VERSION == SCHEMA_VERSION
