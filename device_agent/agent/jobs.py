@@ -218,6 +218,9 @@ class JobRunner:
                 x, y = self._tensors(batch, job.grouping)
                 outcome = executor.train_step((x,), y, optimizer)
                 step, data_index = step + 1, batch.next_index
+                for message in pending:  # the job's step number from 1, not the executor's index (0 again on a resume)
+                    if message.WhichOneof("event") == "step":
+                        message.step.step = step
                 meta["losses"].append(outcome.loss)
                 meta["step_s"].append(outcome.duration_s)
                 meta["energy_j"].append(outcome.summary.energy_j)

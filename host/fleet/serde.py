@@ -149,6 +149,8 @@ def result_update(result) -> dict[str, Any]:
         "param_digest": result.param_digest,
         "events_emitted": result.events_emitted,
     }
+    if result.loss_per_step:  # one loss per step done; the last steps' telemetry may arrive after the result
+        metrics["steps_done"] = len(result.loss_per_step)
     for name in ("accuracy_before", "accuracy_after", "max_rel_param_diff"):
         metrics[name] = getattr(result, name) if result.HasField(name) else None
     update: dict[str, Any] = {"status": RUN_STATUS_FROM_PB[result.status], "metrics": metrics,
