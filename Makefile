@@ -28,6 +28,8 @@ demo: setup
 		--schedule $(DEMO_DIR)/resnet18_cifar_a72.schedule.json
 	# profile this machine, solve for it at half the no-remat peak, train: predicted against measured
 	$(BIN)/poet demo --model resnet18_cifar --flash-dir $(DEMO_DIR) --steps 3
+	# the fleet: a coordinator and two boards on loopback, each fine-tuning on its own data and budget
+	$(BIN)/python -m host.fleet.demo --dir $(DEMO_DIR)/fleet
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -35,6 +35,16 @@ FINISHED = ("done", "failed", "does_not_fit")
 
 
 # ------------------------------------------------------------------------------------------ serve
+def _solve_time_limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def cmd_serve(args, console: Console) -> int:
     import logging
 
@@ -47,10 +57,12 @@ def cmd_serve(args, console: Console) -> int:
     except ValueError as error:
         raise CliError(f"--listen {error}") from None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines say nothing to an operator
     running = None
     try:  # SIGTERM may come at any moment from here on: host/cli/main.py raises KeyboardInterrupt for it
         try:
-            running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir)
+            running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir,
+                                        solve_time_limit_s=args.solve_time_limit)
         except (CertError, StoreError) as error:
             raise CliError(str(error)) from None
         except RuntimeError as error:  # grpc: the address cannot be bound
@@ -356,6 +368,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--state-dir", type=directory_path, default=DEFAULT_STATE_DIR, metavar="DIR",
                        help=f"model archives (models/SHA256.pt2), collected weights (results/RUN_ID.safetensors) "
                             f"and the default store (default: ./{DEFAULT_STATE_DIR})")
+    serve.add_argument("--solve-time-limit", type=_solve_time_limit, default=SOLVE_TIME_LIMIT_S, metavar="S",
+                       help=f"seconds per distinct schedule; at the limit the best schedule found is used, reported "
+                            f"with its proven gap (default {SOLVE_TIME_LIMIT_S:g})")
     serve.set_defaults(func=cmd_serve)
 
     fleet = sub.add_parser("fleet", help="list and remove the boards of the fleet",
