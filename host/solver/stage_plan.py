@@ -44,6 +44,21 @@ class StagePlan:
         return self.recompute.shape[0]
 
 
+def drop_unread_pages(plan: StagePlan) -> StagePlan | None:
+    """The plan without page-outs of tensors it never pages in again, or None when it has none.
+
+    Such a page-out costs energy and time and is never read: dropping it (and the flash copy it keeps)
+    changes no RAM figure and no computation. A solver stopped at its time limit can return them.
+    """
+    unread = plan.page_out.any(axis=0) & ~plan.page_in.any(axis=0)
+    if not unread.any():
+        return None
+    page_out, keep_flash = plan.page_out.copy(), plan.keep_flash.copy()
+    page_out[:, unread] = False
+    keep_flash[:, unread] = False
+    return StagePlan(plan.recompute, plan.keep_ram, keep_flash, plan.page_in, page_out)
+
+
 def lower_plan(plan: StagePlan, graph: TrainingGraph) -> list[Instruction]:
     """Turn a stage plan into compute / page_out / page_in / free instructions.
 
