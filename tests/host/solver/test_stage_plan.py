@@ -1,5 +1,6 @@
 """Stage plans: the lossless polish applied to a checked answer."""
 
+
 def test_page_outs_never_paged_in_are_dropped_and_nothing_else():
     from host.solver.stage_plan import StagePlan, drop_unread_pages
 
