@@ -424,9 +424,12 @@ class Coordinator:
         events = [(int(e.seq), serde.event_payload(e)) for e in batch.events]
         acked = self.store.store_events(run.run_id, events) if events else self.store.acked_seq(run.run_id)
         steps = [e.step.step for e in batch.events if e.WhichOneof("event") == "step"]
-        if steps and max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
-            last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
-            self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": last.step.loss})
+        if steps:
+            with self._result_lock:  # re-read: a result stored since the batch arrived has the final count
+                run = self.store.get_run(run.run_id)
+                if max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
+                    last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
+                    self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": last.step.loss})
         return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run.run_id, stored_through_seq=acked)
 
 
