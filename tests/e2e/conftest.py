@@ -187,10 +187,10 @@ class Fleet:
         return one_json_object(done.stdout)
 
     def submit(self, *agents: str, steps: int, kind: str = "train", budget: str = "80%", wait: bool = False,
-               seed: int = 0, ok_codes=(0,), timeout_s: float = CALL_TIMEOUT_S) -> list[dict]:
+               seed: int = 0, batch_size: int = 16, ok_codes=(0,), timeout_s: float = CALL_TIMEOUT_S) -> list[dict]:
         who = ("--agents", ",".join(agents)) if agents else ("--all",)
         argv = ["run", "--model", "mlp", "--dataset", "digits", "--steps", str(steps), "--ram-budget", budget,
-                *who, "--kind", kind, "--batch-size", "16", "--seed", str(seed)]
+                *who, "--kind", kind, "--batch-size", str(batch_size), "--seed", str(seed)]
         if wait:
             argv.append("--wait")
         return self.poet_json(*argv, ok_codes=ok_codes, timeout_s=timeout_s)["runs"]
