@@ -452,12 +452,12 @@ def diagnose(r: dict) -> str:
     if r["connected"] < r["agents"]:
         notes.append(f"only {r['connected']} of {r['agents']} channels connected (TLS handshakes) before the "
                      f"connect timeout")
-    if r["agents"] > MAX_WORKERS and r["agents_with_events_stored"] <= MAX_WORKERS:
+    if r["agents"] > MAX_WORKERS:
         notes.append(f"the coordinator's thread pool ({MAX_WORKERS} workers, host/fleet/limits.py MAX_WORKERS) "
                      f"serves at most {MAX_WORKERS} telemetry streams at once and a stream holds its worker for "
-                     f"its whole life: {r['agents_with_events_stored']} of {r['agents']} agents got events "
-                     f"stored; the others' streams stay queued (their events wait, unacknowledged, in their "
-                     f"buffers)")
+                     f"its whole life: the other agents' streams wait in the pool's queue (their events wait, "
+                     f"unacknowledged, in their buffers; {r['agents_with_events_stored']} of {r['agents']} agents "
+                     f"got any event stored)")
     pct = r["coordinator_cpu_pct_of_core"]
     behind = r["lost"] > 0 or (r["ack_p99_s"] or 0) > 5
     if r["machine_busy_pct"] >= 90:
