@@ -106,11 +106,11 @@ def prepare(root: Path, agents: int) -> tuple[Path, Path, float]:
     return certs, state, time.monotonic() - t0
 
 
-def start_coordinator(certs: Path, state: Path) -> tuple[subprocess.Popen, str]:
+def start_coordinator(certs: Path, state: Path, max_workers: int) -> tuple[subprocess.Popen, str]:
     code = "import sys; from host.cli import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", "--listen", "127.0.0.1:0", "--certs", str(certs),
-         "--state-dir", str(state)],
+         "--state-dir", str(state), "--max-workers", str(max_workers)],
         cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )
     deadline = time.monotonic() + 60
@@ -342,11 +342,12 @@ def bench(args) -> dict:
     nofile = raise_nofile()
     cores = os.cpu_count() or 1
     processes = max(1, min(args.processes or cores, args.agents))
+    args.max_workers = args.max_workers or 2 * args.agents + 16
     root = Path(tempfile.mkdtemp(prefix="poet-fleet-bench-", dir=args.work_dir))
     server = None
     try:
         certs, state, prep_s = prepare(root, args.agents)
-        server, address = start_coordinator(certs, state)
+        server, address = start_coordinator(certs, state, args.max_workers)
         sampler = Sampler(server.pid)
         sampler.start()
         ctx = mp.get_context("spawn")
@@ -412,7 +413,7 @@ def bench(args) -> dict:
                 errors[k] = errors.get(k, 0) + v
         report = {
             "agents": args.agents, "rate_hz": args.rate_hz, "seconds": args.seconds,
-            "events_per_tick": args.events_per_tick, "processes": processes, "cores": cores,
+            "max_workers": args.max_workers, "events_per_tick": args.events_per_tick, "processes": processes, "cores": cores,
             "connected": connected, "agents_with_events_stored": agents_stored,
             "events_sent": sent, "events_on_wire": on_wire, "resent": max(0, on_wire - sent),
             "events_stored": stored, "offered_per_s": args.agents * args.rate_hz * args.events_per_tick,
@@ -446,15 +447,13 @@ def bench(args) -> dict:
 
 
 def diagnose(r: dict) -> str:
-    from host.fleet.limits import MAX_WORKERS
-
     notes = []
     if r["connected"] < r["agents"]:
         notes.append(f"only {r['connected']} of {r['agents']} channels connected (TLS handshakes) before the "
                      f"connect timeout")
-    if r["agents"] > MAX_WORKERS:
-        notes.append(f"the coordinator's thread pool ({MAX_WORKERS} workers, host/fleet/limits.py MAX_WORKERS) "
-                     f"serves at most {MAX_WORKERS} telemetry streams at once and a stream holds its worker for "
+    if r["agents"] > r["max_workers"]:
+        notes.append(f"the coordinator's thread pool ({r['max_workers']} workers, poet serve --max-workers) "
+                     f"serves at most {r['max_workers']} telemetry streams at once and a stream holds its worker for "
                      f"its whole life: the other agents' streams wait in the pool's queue (their events wait, "
                      f"unacknowledged, in their buffers; {r['agents_with_events_stored']} of {r['agents']} agents "
                      f"got any event stored)")
@@ -493,7 +492,7 @@ def fmt(value) -> str:
 def print_table(r: dict) -> None:
     rows = [
         ("agents", r["agents"]), ("rate_hz", r["rate_hz"]), ("seconds", r["seconds"]),
-        ("processes (cores)", f"{r['processes']} ({r['cores']})"),
+        ("processes (cores)", f"{r['processes']} ({r['cores']})"), ("coordinator threads", r["max_workers"]),
         ("connected", r["connected"]), ("agents with events stored", r["agents_with_events_stored"]),
         ("events_sent", r["events_sent"]), ("events_on_wire (resent)", f"{r['events_on_wire']} ({r['resent']})"),
         ("events_stored", r["events_stored"]), ("offered / stored per s", f"{r['offered_per_s']:g} / {r['stored_per_s']:g}"),
@@ -528,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary dir (certs, store, buffers)")
     parser.add_argument("--emit-threads", type=int, default=16, help="emitting threads per worker process")
     parser.add_argument("--grpc-logs", action="store_true", help="let gRPC core log in the agent processes")
+    parser.add_argument("--max-workers", type=int, default=0,
+                        help="the coordinator's threads (poet serve --max-workers; default: 2 per agent + 16, "
+                             "since each simulated agent holds one telemetry stream)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
     if args.agents < 1 or args.rate_hz <= 0 or args.seconds <= 0 or args.events_per_tick < 1:

@@ -200,6 +200,7 @@ class TelemetrySink:
             with self.space:
                 self.space.notify_all()
             self._retire_if_drained(run_id)
+            self.notify()  # the sender may send what waited for this acknowledgement
         return freed
 
     def interrupt(self) -> None:
@@ -229,8 +230,9 @@ class TelemetrySender:
     """Streams a sink's unacknowledged events over ``StreamTelemetry`` and applies the acknowledgements.
 
     :meth:`stream_once` runs one call until it fails or :meth:`stop`; :meth:`run` repeats it with
-    ``wait_retry(error)`` between calls. In-flight events per run are capped at ``window_events``; if
-    no acknowledgement arrives for ``resend_after_s`` while events are in flight, they are sent again.
+    ``wait_retry(error)`` between calls. In-flight events per run are capped at ``window_events``; while
+    a batch is in flight, the next one leaves when it is full or the acknowledgement arrives; if no
+    acknowledgement arrives for ``resend_after_s`` while events are in flight, they are sent again.
     """
 
     def __init__(self, channel: grpc.Channel, sink: TelemetrySink, *, batch_events: int = 500,
@@ -339,7 +341,10 @@ class TelemetrySender:
             sent = acked
             last_progress[run.run_id] = now
         room = self.window_events - (sent - acked)
-        if next_seq - 1 <= sent or room <= 0:
+        # While a batch is unacknowledged, wait for a full one: a backlog then leaves in few large batches
+        # (the coordinator's cost is per batch), and an idle stream still sends each event at once.
+        coalescing = sent > acked and next_seq - 1 - sent < self.batch_events
+        if next_seq - 1 <= sent or room <= 0 or coalescing:
             if run.full != reported_full.get(run.run_id, False):  # tell the coordinator, even with no events
                 reported_full[run.run_id] = run.full
                 return fleet_pb2.TelemetryBatch(stream_id=buffer.stream_id, run_id=run.run_id,

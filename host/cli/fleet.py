@@ -62,7 +62,7 @@ def cmd_serve(args, console: Console) -> int:
     try:  # SIGTERM may come at any moment from here on: host/cli/main.py raises KeyboardInterrupt for it
         try:
             running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir,
-                                        solve_time_limit_s=args.solve_time_limit)
+                                        solve_time_limit_s=args.solve_time_limit, max_workers=args.max_workers)
         except (CertError, StoreError) as error:
             raise CliError(str(error)) from None
         except RuntimeError as error:  # grpc: the address cannot be bound
@@ -371,6 +371,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--solve-time-limit", type=_solve_time_limit, default=SOLVE_TIME_LIMIT_S, metavar="S",
                        help=f"seconds per distinct schedule; at the limit the best schedule found is used, reported "
                             f"with its proven gap (default {SOLVE_TIME_LIMIT_S:g})")
+    serve.add_argument("--max-workers", type=positive_int, default=MAX_WORKERS, metavar="N",
+                       help=f"server threads; each board holds about two (its long poll and its telemetry "
+                            f"stream), so serve N/2 boards at once (default {MAX_WORKERS})")
     serve.set_defaults(func=cmd_serve)
 
     fleet = sub.add_parser("fleet", help="list and remove the boards of the fleet",

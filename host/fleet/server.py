@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from device_agent.agent.client import SERVER_KEEPALIVE_OPTIONS
 from host.fleet import service
 from host.fleet.certs import server_credentials
 from host.fleet.limits import DEFAULT_STATE_DIR, MAX_WORKERS, STOP_GRACE_S
@@ -21,10 +22,8 @@ from host.fleet.store import RunStore, sqlite_url
 
 log = logging.getLogger("poet.fleet")
 
-SERVER_OPTIONS = (
-    ("grpc.max_receive_message_length", service.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", service.MAX_MESSAGE_BYTES),
-)
+# Message bounds, and the keepalive pings the agents send allowed (else GOAWAY "too_many_pings").
+SERVER_OPTIONS = tuple(SERVER_KEEPALIVE_OPTIONS)
 
 
 @dataclass

@@ -117,6 +117,7 @@ class Coordinator:
         self._solve_lock = threading.Lock()
         self._local_profile = None
         self._result_lock = threading.Lock()
+        self._run_owner: dict[str, str] = {}  # run id -> the board it is assigned to (telemetry checks)
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
 
@@ -420,17 +421,19 @@ class Coordinator:
         return f"{RESULTS_DIR}/{path.name}"
 
     def telemetry(self, agent: str, batch):
-        run = self.assigned_run(agent, batch.run_id)
+        run_id = batch.run_id
+        if self._run_owner.get(run_id) != agent:  # a run's board never changes: checked once per run
+            self._run_owner[run_id] = self.assigned_run(agent, run_id).agent
         events = [(int(e.seq), serde.event_payload(e)) for e in batch.events]
-        acked = self.store.store_events(run.run_id, events) if events else self.store.acked_seq(run.run_id)
+        acked = self.store.store_events(run_id, events) if events else self.store.acked_seq(run_id)
         steps = [e.step.step for e in batch.events if e.WhichOneof("event") == "step"]
         if steps:
             with self._result_lock:  # re-read: a result stored since the batch arrived has the final count
-                run = self.store.get_run(run.run_id)
+                run = self.store.get_run(run_id)
                 if max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
                     last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
                     self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": last.step.loss})
-        return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run.run_id, stored_through_seq=acked)
+        return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run_id, stored_through_seq=acked)
 
 
 def auto_budget_bytes(facts: dict[str, Any], graph, optimizer: str = "sgd") -> int:
