@@ -153,12 +153,13 @@ class JobRunner:
     """Runs jobs on this board against its flash, data and state directories."""
 
     def __init__(self, *, flash_dir: Path, data_dir: Path, state_dir: Path, platform: str = "local",
-                 log: Callable[[str], None] = lambda message: None) -> None:
+                 log: Callable[[str], None] = lambda message: None, quick_profile: bool = False) -> None:
         self.flash_dir = Path(flash_dir)
         self.data_dir = Path(data_dir)
         self.state_dir = Path(state_dir)
         self.platform = platform
         self.log = log
+        self.quick_profile = quick_profile  # PROFILE jobs measure for a few seconds instead of ~30 (tests)
 
     # ------------------------------------------------------------------------------ entry point
     def run(self, job, model_path: Path | None, telemetry, cancel: threading.Event,
@@ -178,7 +179,8 @@ class JobRunner:
 
     # ------------------------------------------------------------------------------ PROFILE
     def _profile(self, job, result) -> None:
-        fields = profile_local_machine(str(self.flash_dir), name=self.platform, progress=self.log)
+        fields = profile_local_machine(str(self.flash_dir), name=self.platform, quick=self.quick_profile,
+                                       progress=self.log)
         result.profile_json = json.dumps(fields)
 
     # ------------------------------------------------------------------------------ TRAIN / VERIFY

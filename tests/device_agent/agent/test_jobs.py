@@ -99,3 +99,20 @@ def test_a_dataset_of_another_shape_is_a_clear_error(material, tmp_path):
     with pytest.raises(JobError, match="no dataset 'absent'"):
         runner.run(_job(package, schedule, "absent", dataset="absent"), package.path, sink.for_run("absent"),
                    threading.Event())
+
+
+def test_a_profile_job_measures_the_board_into_a_profile_the_host_accepts(tmp_path):
+    import json
+
+    from host.costs import PlatformProfile
+
+    (tmp_path / "flash").mkdir()
+    runner = JobRunner(flash_dir=tmp_path / "flash", data_dir=tmp_path, state_dir=tmp_path, platform="pi-7",
+                       quick_profile=True)
+    job = fleet_pb2.Job(job_id="job-p", run_id="p", kind=fleet_pb2.JOB_KIND_PROFILE)
+    result = runner.run(job, None, TelemetrySink(tmp_path).for_run("p"), threading.Event())
+    assert result.status == fleet_pb2.RUN_STATUS_DONE
+    profile = PlatformProfile.from_dict(json.loads(result.profile_json))
+    assert profile.name == "pi-7" and profile.page_out_throughput_bytes_per_s > 0
+    assert profile.energy_source.startswith("modelled:")
+    assert list((tmp_path / "flash").iterdir()) == []  # the benchmark's page files are gone
