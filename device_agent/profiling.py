@@ -357,7 +357,7 @@ def profile_local_machine(
     }
 
 
-def default_energy_meter(threads: int | None = None, profile: dict | None = None):
+def modelled_energy_meter(threads: int | None = None, profile: dict | None = None):
     """The modelled meter of this machine: a local profile's powers, or the assumptions above."""
     import torch
 
@@ -369,3 +369,17 @@ def default_energy_meter(threads: int | None = None, profile: dict | None = None
     machine = platform.machine().lower()
     key = machine if machine in _CPU_POWER_PER_THREAD_W else _FALLBACK_MACHINE
     return ModelledEnergyMeter(_CPU_POWER_PER_THREAD_W[key] * threads, _STORAGE_POWER_W[key], threads)
+
+
+def default_energy_meter(threads: int | None = None, profile: dict | None = None, *,
+                         sysfs_root: str = "/", path: str | None = None):
+    """The board's best energy meter (:mod:`device_agent.meters.registry`), else the modelled one.
+
+    A measured meter falls back to :func:`modelled_energy_meter` (same ``threads`` and ``profile``) if
+    it is lost mid-run. ``sysfs_root`` and ``path`` (the ``PATH`` searched for ``vcgencmd``) are for tests.
+    """
+    from device_agent.meters.registry import best_meter
+
+    modelled = modelled_energy_meter(threads, profile)
+    meter = best_meter(sysfs_root, path, fallback=modelled)
+    return meter if meter is not None else modelled

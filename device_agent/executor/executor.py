@@ -33,6 +33,7 @@ from device_agent.executor.page_store import (
 from device_agent.executor.partition import NodeProgram, Partition, unique_by_identity
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
+from device_agent.meters.base import EnergyMeter
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.modelled import ModelledEnergyMeter
 from device_agent.replay import (
@@ -238,7 +239,7 @@ class ScheduleExecutor:
         *,
         flash_dir: str | None = None,
         events: EventStream | None = None,
-        energy_meter: ModelledEnergyMeter | None = None,
+        energy_meter: ModelledEnergyMeter | EnergyMeter | None = None,
         enforce_budget: bool = False,
         drop_page_cache: bool = True,
         return_freed_memory: bool = False,
@@ -326,7 +327,8 @@ class ScheduleExecutor:
         self._loss = float("nan")
         compute_s = paging_s = 0.0
         rss_peak = 0
-        start = ModelledEnergyMeter.read()
+        meter_read = self.energy_meter.read if self.energy_meter is not None else ModelledEnergyMeter.read
+        start = meter_read()
         started = time.perf_counter()
         step = self.step_index
         nodes = partition.nodes
@@ -381,7 +383,7 @@ class ScheduleExecutor:
             self._abort()
             raise
         duration_s = time.perf_counter() - started
-        end = ModelledEnergyMeter.read()
+        end = meter_read()  # then energy_j and source: a meter lost meanwhile is labelled with this reading
         energy_j = cpu_s = None
         if self.energy_meter is not None:
             energy_j, cpu_s = self.energy_meter.energy_j(start, end, paging_s)
