@@ -199,7 +199,53 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the agent version")
     _add_run(sub)
     _add_datasets(sub)
+    _add_meters(sub)
     return parser
+
+
+def _add_meters(sub) -> None:
+    meters = sub.add_parser(
+        "meters", help="list the board's energy meters, best first, with one reading each",
+        description="Detect the energy meters (device_agent/meters/registry.py), best first, and print one reading "
+        "of each: power_w (instantaneous power) for the power meters, energy_j (the counter, cumulative) for RAPL. "
+        "vcgencmd is looked for on PATH. With none, energy is modelled (the fallback).",
+    )
+    meters.add_argument("--sysfs-root", default="/", metavar="DIR",
+                        help="read DIR/sys instead of /sys (a fixture tree; default: /)")
+    meters.add_argument("--json", action="store_true",
+                        help='print one JSON object: {"meters": [{"name", "label", "detail", "power_w" or "energy_j"}], '
+                        '"fallback"}')
+
+
+def _run_meters(args) -> int:
+    from device_agent.meters.modelled import SOURCE as MODELLED_SOURCE
+    from device_agent.meters.registry import detect_meters
+
+    rows = []
+    for meter in detect_meters(args.sysfs_root, start_thread=False):
+        row = {"name": meter.name, "label": meter.source, "detail": meter.detail}
+        try:
+            row.update(meter.reading_now())
+        except Exception as exc:  # noqa: BLE001  (a meter that fails now is reported, not fatal)
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        meter.close()
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"meters": rows, "fallback": MODELLED_SOURCE}))
+        return EXIT_OK
+    if not rows:
+        print(f"no energy meter found under {args.sysfs_root}: energy is {MODELLED_SOURCE}")
+        return EXIT_OK
+    print(f"{'name':<10} {'label':<18} {'reading':>14}  detail")
+    for row in rows:
+        if "power_w" in row:
+            reading = f"{row['power_w']:.3f} W"
+        elif "energy_j" in row:
+            reading = f"{row['energy_j']:.3f} J"
+        else:
+            reading = row["error"]
+        print(f"{row['name']:<10} {row['label']:<18} {reading:>14}  {row['detail']}")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "run":
         return _run_agent(args)
+    if args.command == "meters":
+        return _run_meters(args)
     from device_agent.agent.datasets import DatasetError
 
     try:

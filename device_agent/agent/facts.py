@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,30 +147,15 @@ def memory_limit(override: int | None = None, **cgroup_paths) -> MemoryLimit:
     return MemoryLimit(None, "none")
 
 
-# Energy meters: one detector per meter; a new meter is one more entry.
-def _rapl(sys_root: Path) -> bool:
-    try:
-        (sys_root / "class/powercap/intel-rapl:0/energy_uj").read_text()
-        return True
-    except OSError:
-        return False
+def detect_meters(sysfs_root: str | os.PathLike = "/", path: str | None = None) -> list[str]:
+    """Names of the energy meters this board can read, best first, or ``["modelled"]`` when none is found.
 
+    One place: :func:`device_agent.meters.registry.meter_names` (``sysfs_root`` prefixes ``/sys``;
+    ``path`` is searched for ``vcgencmd``).
+    """
+    from device_agent.meters.registry import meter_names
 
-def _ina3221(sys_root: Path) -> bool:
-    driver = sys_root / "bus/i2c/drivers/ina3221x"
-    try:
-        return driver.is_dir() and any(driver.iterdir())
-    except OSError:
-        return False
-
-
-METER_DETECTORS: dict[str, Callable[[Path], bool]] = {"rapl": _rapl, "ina3221": _ina3221}
-
-
-def detect_meters(sys_root: str | os.PathLike = "/sys") -> list[str]:
-    """Meters this board can read, or ``["modelled"]`` when none is found."""
-    found = [name for name, detect in METER_DETECTORS.items() if detect(Path(sys_root))]
-    return found or ["modelled"]
+    return meter_names(sysfs_root, path)
 
 
 def runtime_rss_bytes() -> int:

@@ -90,7 +90,8 @@ def find_rails(sysfs_root: str | Path = "/") -> tuple[list[Rail], str]:
             if rail.name.upper() == wanted:
                 return [rail], f"board input rail {rail.name} ({rail.where})"
     names = "+".join(rail.name for rail in rails)
-    return rails, f"sum of rails {names} (no board-input rail {'/'.join(INPUT_RAILS)}; {rails[0].where})"
+    wheres = ", ".join(dict.fromkeys(rail.where for rail in rails))
+    return rails, f"sum of rails {names} (no board-input rail {'/'.join(INPUT_RAILS)}; {wheres})"
 
 
 class Ina3221Meter(SampledPowerMeter):

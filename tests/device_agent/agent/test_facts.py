@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import psutil
@@ -101,13 +102,17 @@ def test_parse_bytes_refuses(text, why):
 
 
 def test_meters_registry(tmp_path):
-    assert facts.detect_meters(tmp_path) == ["modelled"]
-    rapl = tmp_path / "class/powercap/intel-rapl:0"
-    rapl.mkdir(parents=True)
-    (rapl / "energy_uj").write_text("123\n")
-    assert facts.detect_meters(tmp_path) == ["rapl"]
-    (tmp_path / "bus/i2c/drivers/ina3221x/1-0040").mkdir(parents=True)
-    assert facts.detect_meters(tmp_path) == ["rapl", "ina3221"]
+    """RegisterRequest.meters comes from the meters' registry: names best first, "modelled" when none."""
+    fixtures = Path(__file__).parents[1] / "meters" / "fixtures"
+    assert facts.detect_meters(tmp_path, path=str(tmp_path)) == ["modelled"]
+    assert facts.detect_meters(fixtures / "rapl", path=str(tmp_path)) == ["rapl"]
+    assert facts.detect_meters(fixtures / "jetson_jp4", path=str(tmp_path)) == ["ina3221"]
+    both = tmp_path / "both"
+    shutil.copytree(fixtures / "rapl", both)
+    shutil.copytree(fixtures / "jetson_jp5", both, dirs_exist_ok=True)
+    assert facts.detect_meters(both, path=str(fixtures / "pi5" / "bin")) == ["ina3221", "pi5-pmic", "rapl"]
+    (tmp_path / "sys/bus/i2c/drivers/ina3221x/1-0040/iio:device0").mkdir(parents=True)  # a driver, no rails
+    assert facts.detect_meters(tmp_path, path=str(tmp_path)) == ["modelled"]
 
 
 def test_collect_facts_on_this_machine(tmp_path):
