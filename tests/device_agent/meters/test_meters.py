@@ -174,6 +174,7 @@ def test_sampled_integration_of_a_constant_power_in_real_time():
         time.sleep(0.4)
         end = meter.read()
         assert meter._thread is not None and meter._thread.is_alive()
+        assert end.wall_s - 0.1 < meter._last[0] <= end.wall_s  # the thread took samples during the wait
         energy, _ = meter.energy_j(start, end)
         assert energy == pytest.approx(2.5 * (end.wall_s - start.wall_s), rel=0.02)
     finally:
