@@ -12,9 +12,11 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import dump, wait_until
+from tests.e2e.conftest import dump
 
 pytestmark = pytest.mark.timeout(300)
+# Long enough that a kill or a cut lands mid-run (a step of the small test model takes a few ms).
+LONG_STEPS = 1200
 
 
 def stored_seqs(state_dir, run_id: str) -> list[int]:
@@ -72,7 +74,7 @@ def test_coordinator_killed_mid_job_and_restarted_on_the_same_store_loses_and_du
     coordinator = fleet.serve()
     fleet.agent("b1", "1/2")
     fleet.agent("b2", "2/2")
-    runs = fleet.submit(steps=300)
+    runs = fleet.submit(steps=LONG_STEPS)
     fleet.wait_steps(runs[0]["run_id"], 60)
     coordinator.kill9()
     time.sleep(1.0)  # the boards notice: their streams and polls break
@@ -81,7 +83,7 @@ def test_coordinator_killed_mid_job_and_restarted_on_the_same_store_loses_and_du
     finished = [fleet.wait_settled(r["run_id"], timeout_s=150) for r in runs]
     for run in finished:
         assert run["status"] == "done", dump(run)
-        assert run["steps_done"] == 300, dump(run)
+        assert run["steps_done"] == LONG_STEPS, dump(run)
     for board in fleet.processes:
         if board.label.startswith("agent"):
             assert len([line for line in board.lines if "registered with" in line]) >= 2, board.log()
@@ -96,18 +98,18 @@ def test_agent_killed_mid_job_resumes_and_ends_with_the_parameters_of_an_uninter
     fleet.serve()
     killed = fleet.agent("b1", "1/2")
     fleet.agent("b2", "1/2")  # the same shard: an uninterrupted run of the same job
-    runs = {r["agent"]: r for r in fleet.submit("b1", "b2", steps=300)}
+    runs = {r["agent"]: r for r in fleet.submit("b1", "b2", steps=LONG_STEPS)}
     before = fleet.wait_steps(runs["b1"]["run_id"], 75)
     killed.kill9()
     assert list((killed.state_dir / "runs" / runs["b1"]["run_id"]).glob("checkpoint*")), "no checkpoint to resume"
     again = fleet.agent("b1", "1/2")
-    again.wait_for(rf"resuming run {runs['b1']['run_id']} at step [1-9][0-9]* of 300")
+    again.wait_for(rf"resuming run {runs['b1']['run_id']} at step [1-9][0-9]* of {LONG_STEPS}")
     resumed_at = int(again.wait_for(r"resuming run \S+ at step (\d+)").group(1))
     # From its last checkpoint (every 10 steps), at or past what the coordinator had seen before the kill.
-    assert resumed_at % 10 == 0 and before["steps_done"] - 10 < resumed_at < 300, (resumed_at, before["steps_done"])
+    assert resumed_at % 10 == 0 and before["steps_done"] - 10 < resumed_at < LONG_STEPS, (resumed_at, before["steps_done"])
     done = {agent: fleet.wait_settled(r["run_id"], timeout_s=150) for agent, r in runs.items()}
     for run in done.values():
-        assert run["status"] == "done" and run["steps_done"] == 300, dump(run)
+        assert run["status"] == "done" and run["steps_done"] == LONG_STEPS, dump(run)
     assert done["b1"]["param_digest"] == done["b2"]["param_digest"], dump(done)
     assert done["b1"]["final_loss"] == done["b2"]["final_loss"], dump(done)
     # The replayed steps' events were sent again under new seqs: still none lost, none twice.
@@ -126,12 +128,12 @@ def test_connections_cut_by_a_proxy_reconnect_and_lose_nothing(fleet):
     proxy = Proxy(fleet.coordinator.address)
     try:
         board = fleet.agent("b1", "1/2", coordinator=proxy.address)
-        run = fleet.submit("b1", steps=300)[0]
-        for at_step in (40, 110, 180):
+        run = fleet.submit("b1", steps=LONG_STEPS)[0]
+        for at_step in (40, 400, 800):
             fleet.wait_steps(run["run_id"], at_step)
             assert proxy.sever() > 0, "the proxy carried no connection to cut"
         run = fleet.wait_settled(run["run_id"], timeout_s=150)
-        assert run["status"] == "done" and run["steps_done"] == 300, dump(run)
+        assert run["status"] == "done" and run["steps_done"] == LONG_STEPS, dump(run)
         assert proxy.accepted >= 4, f"the agent did not reconnect through the proxy ({proxy.accepted} connections)"
         assert board.has(r"reported the result of run \S+ \(DONE\)"), board.log()
     finally:
