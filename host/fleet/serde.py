@@ -110,6 +110,9 @@ def run_info(record, spec: dict[str, Any] | None = None):
         steps_done=int(metrics.get("steps_done") or 0), model=spec.get("model") or "",
         dataset=spec.get("dataset") or "",
     )
+    if metrics.get("profile_version") is not None:
+        info.profile.CopyFrom(fleet_pb2.ProfileRef(name=metrics.get("profile_name") or "",
+                                                   version=str(metrics["profile_version"])))
     for name in ("final_loss", "accuracy_before", "accuracy_after", "max_rel_param_diff", "last_loss"):
         if metrics.get(name) is not None:
             setattr(info, name, float(metrics[name]))
@@ -130,6 +133,8 @@ def run_info_to_json(info) -> dict[str, Any]:
                 out[name] = figures_to_dict(getattr(info, name))
             else:
                 out[name] = dict.fromkeys(FIGURE_KEYS)
+        elif name == "profile":
+            out[name] = profile_ref_to_json(info.profile) if info.HasField("profile") else None
         elif name == "status":
             out[name] = RUN_STATUS_FROM_PB.get(info.status, "unknown")
         elif name == "kind":
@@ -138,6 +143,29 @@ def run_info_to_json(info) -> dict[str, Any]:
             out[name] = getattr(info, name) if info.HasField(name) else None
         else:
             out[name] = getattr(info, name)
+    return out
+
+
+def profile_ref_to_json(ref) -> dict[str, Any]:
+    """{"name", "version"}: version an int for a stored version, else "shipped:NAME" or "local"."""
+    return {"name": ref.name, "version": int(ref.version) if ref.version.isdigit() else ref.version}
+
+
+# ------------------------------------------------------------------------------------------ profiles
+def profile_info(version):
+    """A ProfileInfo for ``version`` (a store.ProfileVersion)."""
+    return fleet_pb2.ProfileInfo(agent=version.agent, version=version.version,
+                                 name=str(version.profile.get("name") or ""), created_unix_s=version.created_at_s,
+                                 profile_json=dumps(version.profile), provenance_json=dumps(version.provenance or {}))
+
+
+def profile_info_to_json(info, *, with_profile: bool = True) -> dict[str, Any]:
+    """One entry of `poet profiles list --json` (without the profile) or `poet profiles show --json`."""
+    out: dict[str, Any] = {"agent": info.agent, "version": info.version, "name": info.name,
+                           "created_unix_s": info.created_unix_s,
+                           "provenance": json.loads(info.provenance_json or "{}")}
+    if with_profile:
+        out["profile"] = json.loads(info.profile_json)
     return out
 
 

@@ -86,6 +86,7 @@ class BoardPlan:
     predicted: dict[str, Any] | None
     counts: dict[str, int]
     detail: str | None
+    profile: dict[str, Any] | None = None  # {"name", "version"}: the profile the schedule was solved on
 
 
 class Coordinator:
@@ -221,15 +222,28 @@ class Coordinator:
                 self._packages[key] = package
             return package
 
-    def board_profile(self, agent):
-        """The board's latest measured profile, else the shipped platform it names, else this machine's ("local")."""
+    def board_profile(self, agent, pinned_version: int = 0):
+        """(profile, which) for a board: a pinned stored version, else its latest stored version, else the shipped
+        platform it names, else this machine's. ``which`` is {"name", "version"}: version N, "shipped:NAME" or
+        "local", what the run records."""
         from host.costs import PlatformProfile, list_platforms, load_profile
 
-        latest = self.store.latest_profile(agent.name)
-        if latest is not None:
-            return PlatformProfile.from_dict(latest.profile, file_label=f"measured profile v{latest.version} of {agent.name}")
+        if pinned_version:
+            stored = self.store.get_profile_version(agent.name, pinned_version)
+            if stored is None:
+                have = [v.version for v in self.store.list_profile_versions(agent.name)]
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"board {agent.name!r} has no profile version {pinned_version} (it has "
+                               f"{', '.join(map(str, have)) or 'none'}; see `poet profiles list --agent {agent.name}`)")
+        else:
+            stored = self.store.latest_profile(agent.name)
+        if stored is not None:
+            profile = PlatformProfile.from_dict(stored.profile,
+                                                file_label=f"profile v{stored.version} of {agent.name}")
+            return profile, {"name": profile.name, "version": stored.version}
         if agent.platform in list_platforms():
-            return load_profile(agent.platform)
+            profile = load_profile(agent.platform)
+            return profile, {"name": profile.name, "version": f"shipped:{agent.platform}"}
         with self._solve_lock:
             if self._local_profile is None:
                 if self._local_profile_factory is not None:
@@ -240,7 +254,7 @@ class Coordinator:
                     flash = self.state_dir / "local-profile-flash"
                     flash.mkdir(parents=True, exist_ok=True)
                     self._local_profile = load_platform("local", flash_dir=flash, log=log.info)
-            return self._local_profile
+            return self._local_profile, {"name": self._local_profile.name, "version": "local"}
 
     def plan_board(self, agent, graph, request, optimizer: str, runtime_factor: float) -> tuple[BoardPlan, str | None]:
         """Budget, price and solve for one board; (plan, schedule JSON or None)."""
@@ -248,7 +262,7 @@ class Coordinator:
         from host.run.solve import SolveSettings
         from host.solver.solve import minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 
-        profile = self.board_profile(agent)
+        profile, which = self.board_profile(agent, request.profile_version)
         priced = price_graph(graph, profile)
         floor = minimum_ram_bytes(priced)
         budget_kind = request.ram_budget.WhichOneof("budget")
@@ -260,7 +274,7 @@ class Coordinator:
             budget = auto_budget_bytes(agent.facts, graph, optimizer)
 
         def refused(detail: str) -> BoardPlan:
-            return BoardPlan(agent.name, "does_not_fit", max(budget, 0), floor, None, None, None, {}, detail)
+            return BoardPlan(agent.name, "does_not_fit", max(budget, 0), floor, None, None, None, {}, detail, which)
 
         if budget < floor:
             how = auto_budget_text(agent.facts, graph, optimizer) if budget_kind == "auto" else f"{budget} bytes"
@@ -283,7 +297,7 @@ class Coordinator:
             if result.status == "infeasible":
                 return refused(f"no schedule fits: {result.message}"), None
             return BoardPlan(agent.name, "failed", budget, floor, None, None, None, {},
-                             f"the solver found no schedule ({result.status}): {result.message}"), None
+                             f"the solver found no schedule ({result.status}): {result.message}", which), None
         prediction = result.schedule.prediction
         schedule_key = hashlib.sha256(serde.dumps([list(map(str, key))]).encode()).hexdigest()[:24]
         fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -291,7 +305,8 @@ class Coordinator:
                      "energy_j": prediction.energy_j, "energy_source": f"predicted:{profile.name}"}
         counts = {"recomputes": prediction.recomputes, "page_ins": prediction.page_ins,
                   "page_outs": prediction.page_outs}
-        return BoardPlan(agent.name, "queued", budget, floor, schedule_key, fingerprint, predicted, counts, None), text
+        return BoardPlan(agent.name, "queued", budget, floor, schedule_key, fingerprint, predicted, counts, None,
+                         which), text
 
     def targets(self, request) -> list:
         known = {a.name: a for a in self.store.list_agents()}
@@ -345,6 +360,7 @@ class Coordinator:
             "runtime_budget": runtime_factor, "checkpoint_every_steps": DEFAULT_CHECKPOINT_EVERY_STEPS,
             "ram_budget": json.loads(serde.json_format.MessageToJson(request.ram_budget)) if kind != "profile" else None,
             "schedules": {},
+            "profile_version": request.profile_version or None,
         }
         plans: list[BoardPlan] = []
         if kind == "profile":
@@ -374,6 +390,8 @@ class Coordinator:
                                   detail=plan.detail)
             metrics = {"schedule_key": plan.schedule_key, "min_ram_budget_bytes": plan.min_ram_budget_bytes,
                        "steps_done": 0, **plan.counts}
+            if plan.profile is not None:
+                metrics.update(profile_name=plan.profile["name"], profile_version=plan.profile["version"])
             runs.append(self.store.update_run(run_id, metrics=metrics))
         self.notify_work()
         return [serde.run_info(run, spec) for run in runs]
@@ -403,8 +421,10 @@ class Coordinator:
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"profile_json is not a platform profile ({error}); the agent must send what "
                                    f"`poet profile --local` writes") from None
-                version = self.store.add_profile_version(agent, profile)
-                update["metrics"]["profile_version"] = version.version
+                provenance = {"source": "profile-job", "agent": agent, "job_id": run.job_id, "run_id": run.run_id,
+                              "created_unix_s": time.time()}
+                version = self.store.add_profile_version(agent, profile, provenance=provenance)
+                update["metrics"].update(profile_name=profile.get("name"), profile_version=version.version)
             self.store.update_run(run.run_id, **update)
 
     def _save_weights(self, run_id: str, weights) -> str:
@@ -610,6 +630,28 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
         c = self.coordinator
         run = c.store.get_run(request.run_id)
         return serde.run_info(run, c.spec(run.job_id))
+
+
+    @_handler(OPERATOR)
+    def ListProfiles(self, request, context, name):
+        versions = self.coordinator.store.list_profile_versions(request.agent or None)
+        return fleet_pb2.ListProfilesReply(profiles=[serde.profile_info(v) for v in versions])
+
+    @_handler(OPERATOR)
+    def GetProfile(self, request, context, name):
+        store = self.coordinator.store
+        if request.version:
+            version = store.get_profile_version(request.agent, request.version)
+        else:
+            version = store.latest_profile(request.agent)
+        if version is None:
+            have = [v.version for v in store.list_profile_versions(request.agent)]
+            which = f"version {request.version}" if request.version else "stored profile"
+            raise _Refused(grpc.StatusCode.NOT_FOUND,
+                           f"board {request.agent!r} has no {which} (stored versions: "
+                           f"{', '.join(map(str, have)) or 'none'}); `poet run --kind profile` or `poet calibrate` "
+                           f"stores one")
+        return serde.profile_info(version)
 
 
 def add_services(server: grpc.Server, coordinator: Coordinator) -> None:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,7 @@ profile_versions = sa.Table(
     sa.Column("version", sa.Integer(), primary_key=True, autoincrement=False),
     sa.Column("profile", _JSON, nullable=False),
     sa.Column("created_at_s", sa.Float(), nullable=False),
+    sa.Column("provenance", _JSON, nullable=True),  # revision 0003; NULL (read as {}) for older versions
 )
 
 
@@ -219,6 +220,7 @@ class ProfileVersion:
     version: int  # 1, 2, ... per agent
     profile: dict[str, Any]  # a PlatformProfile as JSON
     created_at_s: float
+    provenance: dict[str, Any] = field(default_factory=dict)  # source, agent, job/run ids, time, fit errors
 
 
 _UNSET: Any = object()  # "not given" for fields whose new value may be None
@@ -607,9 +609,12 @@ class RunStore:
 
     # -- profile versions ------------------------------------------------------------------------
 
-    def add_profile_version(self, agent: str, profile: Mapping[str, Any], now_s: float | None = None) -> ProfileVersion:
-        """Store a board's measured profile as its next version (1, 2, ...)."""
+    def add_profile_version(self, agent: str, profile: Mapping[str, Any], now_s: float | None = None, *,
+                            provenance: Mapping[str, Any] | None = None) -> ProfileVersion:
+        """Store a board's profile (measured by a PROFILE job, or fitted by a calibration) as its next version
+        (1, 2, ...), with where it came from."""
         now_s = _now_s() if now_s is None else now_s
+        provenance = dict(provenance or {})
         with self._write() as conn:
             # The agent's row lock serialises two PROFILE results for one board.
             row = conn.execute(sa.select(agents).where(agents.c.name == agent).with_for_update()).first()
@@ -620,9 +625,9 @@ class RunStore:
             ).scalar_one()
             version = (latest or 0) + 1
             conn.execute(sa.insert(profile_versions).values(
-                agent=agent, version=version, profile=dict(profile), created_at_s=now_s,
+                agent=agent, version=version, profile=dict(profile), created_at_s=now_s, provenance=provenance,
             ))
-        return ProfileVersion(agent, version, dict(profile), now_s)
+        return ProfileVersion(agent, version, dict(profile), now_s, provenance)
 
     def latest_profile(self, agent: str) -> ProfileVersion | None:
         query = (
@@ -631,7 +636,23 @@ class RunStore:
         )
         with self._read() as conn:
             row = conn.execute(query).first()
-        return None if row is None else ProfileVersion(row.agent, row.version, row.profile, row.created_at_s)
+        return None if row is None else _profile_version(row)
+
+    def get_profile_version(self, agent: str, version: int) -> ProfileVersion | None:
+        """Version ``version`` of the board's profile, or None when it has no such version."""
+        query = sa.select(profile_versions).where(profile_versions.c.agent == agent,
+                                                  profile_versions.c.version == int(version))
+        with self._read() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else _profile_version(row)
+
+    def list_profile_versions(self, agent: str | None = None) -> list[ProfileVersion]:
+        """Every stored profile version (of one board when ``agent`` is given), by board then version."""
+        query = sa.select(profile_versions).order_by(profile_versions.c.agent, profile_versions.c.version)
+        if agent is not None:
+            query = query.where(profile_versions.c.agent == agent)
+        with self._read() as conn:
+            return [_profile_version(row) for row in conn.execute(query)]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -705,6 +726,10 @@ def _agent(row: sa.Row) -> AgentRecord:
         name=row.name, platform=row.platform, facts=dict(row.facts), registered_at_s=row.registered_at_s,
         last_seen_at_s=row.last_seen_at_s, removed=bool(row.removed), removed_at_s=row.removed_at_s,
     )
+
+
+def _profile_version(row: sa.Row) -> ProfileVersion:
+    return ProfileVersion(row.agent, row.version, row.profile, row.created_at_s, dict(row.provenance or {}))
 
 
 def _run(row: sa.Row) -> RunRecord:

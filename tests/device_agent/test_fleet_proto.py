@@ -102,7 +102,8 @@ def test_services_have_the_methods_and_streaming_shapes():
     assert shapes == {"Register": (False, False), "Heartbeat": (False, False), "PullJob": (False, False),
                       "FetchModel": (False, True), "StreamTelemetry": (True, True), "ReportResult": (False, False)}
     admin = fleet.DESCRIPTOR.services_by_name["FleetAdmin"]
-    assert {m.name for m in admin.methods} == {"ListAgents", "RemoveAgent", "SubmitRun", "ListRuns", "GetRun"}
+    assert {m.name for m in admin.methods} == {"ListAgents", "RemoveAgent", "SubmitRun", "ListRuns", "GetRun",
+                                                  "ListProfiles", "GetProfile", "Calibrate", "GetCalibration"}
     assert hasattr(fleet_grpc, "FleetStub") and hasattr(fleet_grpc, "FleetAdminServicer")
 
 

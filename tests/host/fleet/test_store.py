@@ -320,6 +320,15 @@ def test_profile_versions(store):
     assert latest.version == 2 and latest.profile["flops_per_s"] == 2e9
     with pytest.raises(UnknownAgentError):
         store.add_profile_version("nobody", {})
+    assert first.provenance == {} and store.get_profile_version("pi-1", 1).profile["flops_per_s"] == 1e9
+    third = store.add_profile_version("pi-1", {"name": "pi-1"}, provenance={"source": "calibration", "runs": ["r1"]})
+    assert store.get_profile_version("pi-1", 3).provenance == third.provenance == {"source": "calibration", "runs": ["r1"]}
+    assert store.get_profile_version("pi-1", 4) is None
+    store.register_agent("pi-2", "a72", FACTS)
+    store.add_profile_version("pi-2", {"name": "pi-2"})
+    assert [(v.agent, v.version) for v in store.list_profile_versions()] == [("pi-1", 1), ("pi-1", 2), ("pi-1", 3),
+                                                                             ("pi-2", 1)]
+    assert [v.version for v in store.list_profile_versions("pi-2")] == [1]
 
 
 # -- migrations ------------------------------------------------------------------------------
@@ -359,21 +368,48 @@ def test_a_store_at_the_first_revision_is_upgraded_on_open_and_reopening_is_a_no
 
     caplog.set_level(logging.INFO, logger="alembic")
     with RunStore(store_url) as opened:
-        assert opened.schema_revision() == RunStore.head_revision() == "0002"
+        assert opened.schema_revision() == RunStore.head_revision() == "0003"
         assert opened.get_agent("old-pi").facts == {"ram_total_bytes": 1024}
         assert opened.store_events("r0", [(1, {}), (2, {})]) == 2
         assert opened.add_profile_version("old-pi", {"flops_per_s": 1.0}).version == 1
-    assert "Running upgrade 0001 -> 0002" in caplog.text
+    assert "Running upgrade 0001 -> 0002" in caplog.text and "Running upgrade 0002 -> 0003" in caplog.text
 
     schema = _columns(store_url)
     caplog.clear()
     with RunStore(store_url) as again:
-        assert again.schema_revision() == "0002"
+        assert again.schema_revision() == "0003"
         assert again.events_stored("r0") == 2 and again.latest_profile("old-pi").version == 1
     assert "Running upgrade" not in caplog.text
     assert _columns(store_url) == schema
     # the Table objects the queries use describe exactly the schema the migrations build
     assert schema == {table.name: {column.name for column in table.columns} for table in store_module.metadata.sorted_tables}
+
+
+def test_a_store_at_revision_0002_keeps_its_profile_versions_and_reads_no_provenance_as_empty(store_url):
+    from alembic import command
+
+    engine = sa.create_engine(store_module.parse_url(store_url))
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(conn), "0002")
+            conn.execute(sa.text(
+                "INSERT INTO agents (name, platform, facts, registered_at_s, last_seen_at_s, removed) "
+                "VALUES ('old-pi', 'a72', '{}', 1.0, 2.0, false)"
+            ))
+            conn.execute(sa.text(
+                "INSERT INTO profile_versions (agent, version, profile, created_at_s) "
+                "VALUES ('old-pi', 1, '{\"name\": \"old\"}', 3.0)"
+            ))
+    finally:
+        engine.dispose()
+    assert "provenance" not in _columns(store_url)["profile_versions"]
+    with RunStore(store_url) as opened:
+        assert opened.schema_revision() == "0003"
+        old = opened.latest_profile("old-pi")
+        assert (old.version, old.profile, old.created_at_s, old.provenance) == (1, {"name": "old"}, 3.0, {})
+        new = opened.add_profile_version("old-pi", {"name": "new"}, provenance={"source": "profile-job"})
+        assert new.version == 2 and opened.get_profile_version("old-pi", 2).provenance == {"source": "profile-job"}
+    assert "provenance" in _columns(store_url)["profile_versions"]
 
 
 def test_a_store_from_a_newer_release_is_refused(store_url):

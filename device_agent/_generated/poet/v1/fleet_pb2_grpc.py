@@ -358,6 +358,26 @@ class FleetAdminStub:
                 request_serializer=poet_dot_v1_dot_fleet__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=poet_dot_v1_dot_fleet__pb2.RunInfo.FromString,
                 _registered_method=True)
+        self.ListProfiles = channel.unary_unary(
+                '/poet.v1.FleetAdmin/ListProfiles',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.ListProfilesRequest.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.ListProfilesReply.FromString,
+                _registered_method=True)
+        self.GetProfile = channel.unary_unary(
+                '/poet.v1.FleetAdmin/GetProfile',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.GetProfileRequest.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.ProfileInfo.FromString,
+                _registered_method=True)
+        self.Calibrate = channel.unary_unary(
+                '/poet.v1.FleetAdmin/Calibrate',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.CalibrateRequest.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
+                _registered_method=True)
+        self.GetCalibration = channel.unary_unary(
+                '/poet.v1.FleetAdmin/GetCalibration',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
+                _registered_method=True)
 
 
 class FleetAdminServicer:
@@ -395,6 +415,31 @@ class FleetAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListProfiles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Calibrate(self, request, context):
+        """Starts a calibration on the coordinator (it goes on when the caller leaves); poll GetCalibration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCalibration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -422,6 +467,26 @@ def add_FleetAdminServicer_to_server(servicer, server):
                     servicer.GetRun,
                     request_deserializer=poet_dot_v1_dot_fleet__pb2.GetRunRequest.FromString,
                     response_serializer=poet_dot_v1_dot_fleet__pb2.RunInfo.SerializeToString,
+            ),
+            'ListProfiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProfiles,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.ListProfilesRequest.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.ListProfilesReply.SerializeToString,
+            ),
+            'GetProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetProfile,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.GetProfileRequest.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.ProfileInfo.SerializeToString,
+            ),
+            'Calibrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Calibrate,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.CalibrateRequest.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.SerializeToString,
+            ),
+            'GetCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCalibration,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -561,6 +626,114 @@ class FleetAdmin:
             '/poet.v1.FleetAdmin/GetRun',
             poet_dot_v1_dot_fleet__pb2.GetRunRequest.SerializeToString,
             poet_dot_v1_dot_fleet__pb2.RunInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProfiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poet.v1.FleetAdmin/ListProfiles',
+            poet_dot_v1_dot_fleet__pb2.ListProfilesRequest.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.ListProfilesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poet.v1.FleetAdmin/GetProfile',
+            poet_dot_v1_dot_fleet__pb2.GetProfileRequest.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.ProfileInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calibrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poet.v1.FleetAdmin/Calibrate',
+            poet_dot_v1_dot_fleet__pb2.CalibrateRequest.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poet.v1.FleetAdmin/GetCalibration',
+            poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
             options,
             channel_credentials,
             insecure,
