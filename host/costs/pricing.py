@@ -2,7 +2,8 @@
 
 Per node i (power_computation.py of POET):
 
-* compute_s  = flops / flops_per_s[op_class]   (falls back to flops_per_s["default"])
+* compute_s  = flops / flops_per_s[op_class]   (falls back to flops_per_s["default"]); a calibrated
+  profile prices backward nodes at their own rates and adds a fixed overhead per node
 * compute_j  = flops / (1 / energy_per_flop_j) when the profile has energy_per_flop_j (POET's
   ``flop / FLOPS_PER_WATT``; dividing by the FLOP-per-joule figure, rather than multiplying by its
   reciprocal, reproduces the paper's floats bit for bit), else compute_s x compute_power_w
@@ -28,9 +29,11 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
         raise ValueError(f"unknown cost model {cost_model!r}; supported: {', '.join(COST_MODELS)}")
     flops = np.array([node.flops for node in graph.nodes], dtype=np.float64)
     output_bytes = np.array([node.output_bytes for node in graph.nodes], dtype=np.float64)
-    flops_per_s = np.array([profile.flops_per_s_for(node.op_class) for node in graph.nodes], dtype=np.float64)
+    flops_per_s = np.array([profile.flops_per_s_for(node.op_class, node.kind) for node in graph.nodes],
+                           dtype=np.float64)
+    overhead_s = np.array([profile.node_overhead_s_for(node.kind) for node in graph.nodes], dtype=np.float64)
 
-    compute_s = flops / flops_per_s
+    compute_s = overhead_s + flops / flops_per_s
     if profile.energy_per_flop_j is not None:
         compute_j = flops / (1.0 / profile.energy_per_flop_j)
     else:

@@ -71,10 +71,24 @@ class PlatformProfile:
     energy_source: str  # "modelled:..." or "measured:..."
     sources: dict[str, str] = field(default_factory=dict)  # dotted field path -> provenance
     path: str | None = None
+    # Optional, fitted from telemetry (host/calibrate): what the paper's model lacks. Absent, a profile
+    # prices as the paper does (backward at forward rates, no per-node or per-step overheads).
+    bwd_flops_per_s: dict[str, float] | None = None  # op_class -> FLOP/s of backward nodes
+    fwd_node_overhead_s: float = 0.0  # fixed seconds per fwd/loss compute (dispatch, bookkeeping)
+    bwd_node_overhead_s: float = 0.0  # fixed seconds per bwd compute
+    optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
+    instruction_overhead_s: float = 0.0  # executor seconds per instruction outside computes and transfers
+    idle_power_w: float | None = None  # drawn outside computes and transfers (a meter's fit)
 
-    def flops_per_s_for(self, op_class: str) -> float:
-        """Throughput for ``op_class``, falling back to the "default" entry."""
+    def flops_per_s_for(self, op_class: str, kind: str = "fwd") -> float:
+        """Throughput for ``op_class`` (of a ``kind`` fwd/loss/bwd node), falling back to the "default" entry."""
+        if kind == "bwd" and self.bwd_flops_per_s:
+            rates = self.bwd_flops_per_s
+            return rates.get(op_class, rates.get(DEFAULT_OP_CLASS, self.flops_per_s_for(op_class)))
         return self.flops_per_s.get(op_class, self.flops_per_s[DEFAULT_OP_CLASS])
+
+    def node_overhead_s_for(self, kind: str) -> float:
+        return self.bwd_node_overhead_s if kind == "bwd" else self.fwd_node_overhead_s
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (see the module docstring); ``path`` is not part of it."""
@@ -82,6 +96,18 @@ class PlatformProfile:
         if self.energy_per_flop_j is not None:
             compute["energy_per_flop_j"] = self.energy_per_flop_j
         compute["compute_power_w"] = self.compute_power_w
+        if self.bwd_flops_per_s:
+            compute["bwd_flops_per_s"] = dict(self.bwd_flops_per_s)
+        if self.fwd_node_overhead_s or self.bwd_node_overhead_s:
+            compute["node_overhead_s"] = {"fwd": self.fwd_node_overhead_s, "bwd": self.bwd_node_overhead_s}
+        step = {}
+        if self.optimizer_bytes_per_s is not None:
+            step["optimizer_bytes_per_s"] = self.optimizer_bytes_per_s
+        if self.instruction_overhead_s:
+            step["instruction_overhead_s"] = self.instruction_overhead_s
+        extra: dict[str, Any] = {"step": step} if step else {}
+        if self.idle_power_w is not None:
+            extra["idle_power_w"] = self.idle_power_w
         return {
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
@@ -99,6 +125,7 @@ class PlatformProfile:
             "board_power_w": self.board_power_w,
             "bytes_per_element": self.bytes_per_element,
             "energy_source": self.energy_source,
+            **extra,
             "sources": dict(self.sources),
         }
 
@@ -120,9 +147,12 @@ _TOP_KEYS = (
     "board_power_w",
     "bytes_per_element",
     "energy_source",
+    "step",
+    "idle_power_w",
     "sources",
 )
-_COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w")
+_COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s")
+_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
     "schema_version": f"the integer {SCHEMA_VERSION}",
@@ -150,6 +180,9 @@ def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CL
     paths += ["compute.flops_per_s", "compute.energy_per_flop_j", "compute.compute_power_w"]
     paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
     paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
+    paths += ["compute.bwd_flops_per_s", *(f"compute.bwd_flops_per_s.{c}" for c in flops_classes)]
+    paths += ["compute.node_overhead_s", "compute.node_overhead_s.fwd", "compute.node_overhead_s.bwd"]
+    paths += ["step", *(f"step.{key}" for key in _STEP_KEYS), "idle_power_w"]
     return tuple(paths)
 
 
@@ -201,7 +234,7 @@ class _Validator:
         return latency_s, throughput
 
     def profile(self, data: Any, path: str | None) -> PlatformProfile:
-        required = tuple(k for k in _TOP_KEYS if k not in ("description", "sources"))
+        required = tuple(k for k in _TOP_KEYS if k not in ("description", "sources", "step", "idle_power_w"))
         data = self._object(data, "", _TOP_KEYS, required)
         version = data["schema_version"]
         if not isinstance(version, int) or isinstance(version, bool) or version != SCHEMA_VERSION:
@@ -223,6 +256,26 @@ class _Validator:
                 energy_per_flop_j, "compute.energy_per_flop_j", "joules per FLOP (or null)", positive=True
             )
         compute_power_w = self._number(compute["compute_power_w"], "compute.compute_power_w", "watts", positive=True)
+        bwd_flops_per_s = None
+        if compute.get("bwd_flops_per_s") is not None:
+            bwd_rates = self._object(compute["bwd_flops_per_s"], "compute.bwd_flops_per_s",
+                                     (DEFAULT_OP_CLASS, *OP_CLASSES), ())
+            bwd_flops_per_s = {
+                op_class: self._number(rate, f"compute.bwd_flops_per_s.{op_class}", "FLOP per second", positive=True)
+                for op_class, rate in bwd_rates.items()
+            }
+        overheads = self._object(compute.get("node_overhead_s", {}), "compute.node_overhead_s", ("fwd", "bwd"), ())
+        node_overhead_s = {kind: self._number(value, f"compute.node_overhead_s.{kind}", "seconds", positive=False)
+                           for kind, value in overheads.items()}
+        step = self._object(data.get("step", {}), "step", _STEP_KEYS, ())
+        optimizer_bytes_per_s = (
+            self._number(step["optimizer_bytes_per_s"], "step.optimizer_bytes_per_s", "bytes per second", positive=True)
+            if step.get("optimizer_bytes_per_s") is not None else None
+        )
+        instruction_overhead_s = self._number(step.get("instruction_overhead_s", 0.0), "step.instruction_overhead_s",
+                                              "seconds", positive=False)
+        idle_power_w = (self._number(data["idle_power_w"], "idle_power_w", "watts", positive=False)
+                        if data.get("idle_power_w") is not None else None)
 
         page_in_latency_s, page_in_throughput = self._page(data["page_in"], "page_in")
         page_out_latency_s, page_out_throughput = self._page(data["page_out"], "page_out")
@@ -262,6 +315,12 @@ class _Validator:
             energy_source=energy_source,
             sources=sources,
             path=path,
+            bwd_flops_per_s=bwd_flops_per_s,
+            fwd_node_overhead_s=node_overhead_s.get("fwd", 0.0),
+            bwd_node_overhead_s=node_overhead_s.get("bwd", 0.0),
+            optimizer_bytes_per_s=optimizer_bytes_per_s,
+            instruction_overhead_s=instruction_overhead_s,
+            idle_power_w=idle_power_w,
         )
 
 

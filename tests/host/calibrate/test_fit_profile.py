@@ -1,0 +1,139 @@
+"""fit_profile: a board's profile fitted to run telemetry (rates per direction, overheads, paging, powers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from device_agent.schedule import Instruction
+from host.calibrate.fit import CalibrationError, CalibrationRun, energy_mape, fit_profile, predict_step, step_time_mape
+from host.costs import PlatformProfile, load_profile, price_graph
+from host.graph.training_graph import GraphBuilder
+from host.solver.stage_plan import make_schedule
+
+
+def _graph():
+    b = GraphBuilder("chain")
+    b.add("input", "fwd", 0, 0, [], "input")
+    b.add("fc1", "fwd", 40_000, 4_000_000, ["input"], "matmul")
+    b.add("relu", "fwd", 40_000, 10_000, ["fc1"], "elementwise")
+    b.add("fc2", "fwd", 4_000, 2_000_000, ["relu"], "matmul")
+    b.add("loss", "loss", 4, 1_000, ["fc2"], "loss")
+    b.add("bwd:fc2", "bwd", 40_000, 4_000_000, ["loss", "relu"], "matmul", forward_of="fc2")
+    b.add("bwd:relu", "bwd", 40_000, 10_000, ["bwd:fc2", "relu"], "elementwise", forward_of="relu")
+    b.add("bwd:fc1", "bwd", 0, 8_000_000, ["bwd:relu", "input"], "matmul", forward_of="fc1")
+    return b.build(param_bytes=800_000, param_grad_bytes=800_000, optimizer_state_bytes=0, other_fixed_bytes=0)
+
+
+def _true_profile() -> PlatformProfile:
+    """A board whose backward runs at half the forward rate, with overheads the paper's model lacks."""
+    base = load_profile("a72")
+    return dataclasses.replace(
+        base, flops_per_s={"default": 1e9, "matmul": 4e9, "elementwise": 5e8, "loss": 1e9},
+        bwd_flops_per_s={"default": 5e8, "matmul": 2e9, "elementwise": 2.5e8},
+        fwd_node_overhead_s=2e-4, bwd_node_overhead_s=3e-4, page_out_latency_s=3e-3,
+        page_out_throughput_bytes_per_s=5e7, page_in_latency_s=1e-3, page_in_throughput_bytes_per_s=2e8,
+        optimizer_bytes_per_s=4e8, instruction_overhead_s=5e-5, energy_per_flop_j=None,
+    )
+
+
+def _schedules(graph):
+    keep_all = [Instruction("compute", i) for i in range(graph.size)]
+    recompute = [Instruction("compute", i) for i in range(5)] + [
+        Instruction("free", 2), Instruction("compute", 5), Instruction("compute", 2), Instruction("compute", 6),
+        Instruction("compute", 7)]
+    paging = [Instruction("compute", i) for i in range(3)] + [
+        Instruction("page_out", 1), Instruction("free", 1), Instruction("compute", 3), Instruction("compute", 4),
+        Instruction("compute", 5), Instruction("compute", 6), Instruction("page_in", 1), Instruction("compute", 7),
+        Instruction("free", 1, "flash")]
+    return [make_schedule(graph, instructions) for instructions in (keep_all, recompute, paging)]
+
+
+def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict | None = None) -> CalibrationRun:
+    """What the executor would report if the board behaved exactly like ``truth`` (noise-free)."""
+    priced = price_graph(graph, truth)
+    instructions, summaries = [], []
+    for step in range(1, steps + 1):
+        total = compute = paging = 0.0
+        for position, ins in enumerate(schedule.instructions):
+            seconds = {"compute": priced.compute_s, "page_in": priced.page_in_s,
+                       "page_out": priced.page_out_s}.get(ins.kind)
+            duration = float(seconds[ins.node]) if seconds is not None else 0.0
+            if ins.kind == "compute":
+                compute += duration
+            elif ins.kind in ("page_in", "page_out"):
+                paging += duration
+            total += duration + truth.instruction_overhead_s
+            instructions.append({"step": step, "position": position, "kind": f"INSTRUCTION_KIND_{ins.kind.upper()}",
+                                 "node": ins.node, "node_name": graph.nodes[ins.node].name, "duration_s": duration,
+                                 "bytes_moved": graph.nodes[ins.node].output_bytes, "cpu_s": duration})
+        optimizer_s = graph.param_bytes / truth.optimizer_bytes_per_s
+        total += optimizer_s
+        record = {"step": step, "duration_s": total, "optimizer_s": optimizer_s,
+                  "energy_source": "modelled:cpu-time×power"}
+        if power is not None:
+            rest = total - compute - paging
+            record.update(energy_j=power["compute"] * compute + power["paging"] * paging + power["idle"] * rest,
+                          energy_source="measured:ina3221")
+        summaries.append(record)
+    return CalibrationRun(graph, schedule, instructions, summaries)
+
+
+def test_the_fit_recovers_a_board_that_the_papers_model_cannot_describe():
+    graph, truth, shipped = _graph(), _true_profile(), load_profile("a72")
+    runs = [_telemetry(graph, s, truth, steps=6) for s in _schedules(graph)]
+    before = step_time_mape(shipped, runs)
+    fitted = fit_profile(shipped, runs, note="test")
+    assert before > 10
+    assert step_time_mape(fitted, runs) < 1.0
+    assert fitted.bwd_flops_per_s["matmul"] == pytest.approx(2e9, rel=1e-3)
+    assert fitted.flops_per_s["matmul"] == pytest.approx(4e9, rel=1e-3)
+    assert fitted.bwd_node_overhead_s == pytest.approx(3e-4, rel=1e-3)
+    assert fitted.optimizer_bytes_per_s == pytest.approx(4e8, rel=1e-6)
+    assert fitted.instruction_overhead_s == pytest.approx(5e-5, rel=1e-6)
+    assert "test" in fitted.sources["compute.bwd_flops_per_s.matmul"]
+    # the fitted profile is a valid profile file, and it round-trips
+    again = PlatformProfile.from_dict(json.loads(json.dumps(fitted.to_dict())))
+    assert again.to_dict() == fitted.to_dict()
+    assert energy_mape(fitted, runs) is None  # nothing was metered
+
+
+def test_backward_rates_change_the_price_of_a_recompute_only_plan():
+    graph, truth = _graph(), _true_profile()
+    paper_like = dataclasses.replace(truth, bwd_flops_per_s=None)
+    _, recompute, _ = _schedules(graph)
+    assert predict_step(truth, graph, recompute)[0] > predict_step(paper_like, graph, recompute)[0]
+    priced = price_graph(graph, truth)
+    assert priced.compute_s[7] == pytest.approx(3e-4 + 8e6 / 2e9)
+    assert priced.compute_s[1] == pytest.approx(2e-4 + 4e6 / 4e9)
+
+
+def test_metered_steps_fit_powers_per_activity():
+    graph, truth = _graph(), _true_profile()
+    power = {"compute": 6.0, "paging": 2.0, "idle": 1.5}
+    runs = [_telemetry(graph, s, truth, steps=6, power=power) for s in _schedules(graph)]
+    fitted = fit_profile(load_profile("a72"), runs)
+    assert fitted.compute_power_w == pytest.approx(6.0, rel=1e-3)
+    assert fitted.memory_power_w == pytest.approx(2.0, rel=1e-3)
+    assert fitted.idle_power_w == pytest.approx(1.5, rel=1e-3)
+    assert fitted.energy_source == "measured:ina3221"
+    assert energy_mape(fitted, runs) < 1.0 < energy_mape(load_profile("a72"), runs)
+
+
+def test_old_profile_files_load_and_price_as_before():
+    profile = load_profile("a72")
+    assert profile.bwd_flops_per_s is None and profile.fwd_node_overhead_s == 0.0
+    assert "step" not in profile.to_dict() and "idle_power_w" not in profile.to_dict()
+    graph = _graph()
+    priced = price_graph(graph, profile)
+    assert priced.compute_s[7] == pytest.approx(8e6 / profile.flops_per_s_for("matmul"))
+
+
+def test_events_of_another_graph_are_refused():
+    graph, truth = _graph(), _true_profile()
+    run = _telemetry(graph, _schedules(graph)[0], truth, steps=3)
+    run.instructions[5]["node_name"] = "conv9"
+    with pytest.raises(CalibrationError, match="does not match graph"):
+        fit_profile(load_profile("a72"), [run])
