@@ -39,6 +39,8 @@ __all__ = [
     "DatasetError",
     "DatasetSummary",
     "LocalDataset",
+    "SYNTHETIC_DATASET",
+    "SyntheticDataset",
     "check_dataset_name",
     "list_datasets",
 ]
@@ -245,6 +247,26 @@ class LocalDataset:
             index += batch_size
             produced += 1
             yield Batch(self.x[take], self.y[take], index)
+
+
+SYNTHETIC_DATASET = ":synthetic"  # not a valid dataset name, so it never shadows a directory
+_SYNTHETIC_BATCHES = 4
+
+
+class SyntheticDataset(LocalDataset):
+    """Seeded random samples of the model's shape and class count, made on the board: what calibration runs train
+    on (their step times, not what they learn, are the point), so a board needs no dataset of every calibration
+    model's shape. Batches, order and resume behave as a LocalDataset's; it has no held-out split."""
+
+    def __init__(self, sample_shape: tuple[int, ...], num_classes: int, batch_size: int, seed: int) -> None:
+        rng = np.random.default_rng([int(seed), 0x5EED])
+        count = max(1, int(batch_size)) * _SYNTHETIC_BATCHES
+        self.name = SYNTHETIC_DATASET
+        self.path = None
+        self.shard_paths = self.heldout_paths = ()
+        self.x = rng.random((count, *sample_shape), dtype=np.float32)
+        self.y = rng.integers(0, max(1, int(num_classes)), size=count, dtype=np.int64)
+        self._heldout_x = self._heldout_y = None
 
 
 def list_datasets(data_dir: str | os.PathLike) -> list[tuple[str, DatasetSummary | DatasetError]]:

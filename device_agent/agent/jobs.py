@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from device_agent import protos
-from device_agent.agent.datasets import DatasetError, LocalDataset
+from device_agent.agent.datasets import SYNTHETIC_DATASET, DatasetError, LocalDataset, SyntheticDataset
 from device_agent.agent.program import load_module, load_program
 from device_agent.executor import ScheduleExecutor, plain_train_step
 from device_agent.executor.telemetry import EventStream
@@ -282,12 +282,14 @@ class JobRunner:
 
     # ------------------------------------------------------------------------------ data
     def _dataset(self, job) -> tuple[LocalDataset, int]:
+        grouping = job.grouping
+        batch_size = int(grouping.batch_shape[0])
+        if job.dataset == SYNTHETIC_DATASET:  # a calibration run: random samples of the model's shape
+            return SyntheticDataset(tuple(grouping.batch_shape[1:]), grouping.num_classes, batch_size, job.seed), batch_size
         try:
             dataset = LocalDataset(self.data_dir, job.dataset)
         except DatasetError as error:
             raise JobError(str(error)) from None
-        grouping = job.grouping
-        batch_size = int(grouping.batch_shape[0])
         if job.batch_size and job.batch_size != batch_size:
             raise JobError(f"the job asks for batches of {job.batch_size} but its model was exported for "
                            f"{batch_size}; submit the run with --batch-size {job.batch_size} so the host traces it")

@@ -192,3 +192,19 @@ def test_list_prints_each_dataset_and_flags_unusable_ones(tmp_path):
     help_text = _agent("datasets", "--help").stdout
     assert "heldout*.npz" in help_text and "numpy.savez" in help_text
     assert "usage: poet-agent" in _agent("--help").stdout
+
+
+def test_the_synthetic_dataset_is_seeded_random_samples_of_the_models_shape():
+    from device_agent.agent.datasets import SYNTHETIC_DATASET, SyntheticDataset, check_dataset_name
+
+    with pytest.raises(DatasetError):  # never a directory name, so it shadows no board's dataset
+        check_dataset_name(SYNTHETIC_DATASET)
+    a = SyntheticDataset((3, 4, 4), 10, 8, seed=1)
+    b = SyntheticDataset((3, 4, 4), 10, 8, seed=1)
+    assert a.x.shape[1:] == (3, 4, 4) and a.x.dtype == np.float32 and a.y.dtype == np.int64
+    assert 0 <= a.y.min() and a.y.max() < 10 and a.heldout() is None
+    first = list(a.batches(8, 0, count=6))
+    assert all(batch.x.shape == (8, 3, 4, 4) for batch in first)
+    assert np.array_equal(first[5].x, list(b.batches(8, 0, count=6))[5].x)  # same seed, same batches
+    resumed = next(a.batches(8, 0, start_index=first[2].next_index, count=1))
+    assert np.array_equal(resumed.x, first[3].x)
