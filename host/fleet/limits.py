@@ -11,3 +11,6 @@ SOLVE_TIME_LIMIT_S = 60.0  # per distinct schedule; the best schedule found by t
 MAX_WORKERS = 64  # server threads: each long poll and each telemetry stream holds one while open
 STOP_GRACE_S = 5.0  # on shutdown, calls in flight get this long to finish
 DEFAULT_STATE_DIR = "poet-state"
+CALIBRATION_MODELS = ("mlp", "resnet18_cifar")  # `poet calibrate` default models
+CALIBRATION_STEPS = 12  # steps per calibration run
+CALIBRATION_BATCH_SIZE = 8

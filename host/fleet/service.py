@@ -121,6 +121,7 @@ class Coordinator:
         self._run_owner: dict[str, str] = {}  # run id -> the board it is assigned to (telemetry checks)
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
+        self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
 
     # ------------------------------------------------------------------------------------ identity
     def caller(self, context, role: str) -> str:
@@ -652,6 +653,20 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
                            f"{', '.join(map(str, have)) or 'none'}); `poet run --kind profile` or `poet calibrate` "
                            f"stores one")
         return serde.profile_info(version)
+
+    @_handler(OPERATOR)
+    def Calibrate(self, request, context, name):
+        from host.fleet.calibration import start_calibration
+
+        info = start_calibration(self.coordinator, request, operator=name)
+        log.info("%s started calibration %s of %s", name, info.calibration_id, request.agent)
+        return info
+
+    @_handler(OPERATOR)
+    def GetCalibration(self, request, context, name):
+        from host.fleet.calibration import calibration_info
+
+        return calibration_info(self.coordinator, request.calibration_id)
 
 
 def add_services(server: grpc.Server, coordinator: Coordinator) -> None:

@@ -1,0 +1,377 @@
+"""`poet calibrate`: the coordinator calibrates one board's profile, in a thread of its own.
+
+1. A PROFILE job on the board (its micro-benchmarks) stores profile version k.
+2. Short TRAIN runs (12 steps, batch 8 by default) of each calibration model (``mlp`` and ``resnet18_cifar`` by
+   default) under two schedules, both solved on version k: keep-all (budget 100% of the no-remat peak) and a
+   remat/paging-heavy one (60% of the peak, runtime factor 4; the model's hard floor when 60% is below it). They
+   train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
+   samples of the model's shape), so a board needs no data of each calibration model's shape.
+3. Each run's stored telemetry is split: steps 2..N/2 are fitted (step 1 warms allocators and caches up),
+   steps N/2+1..N are held out. :func:`host.calibrate.fit.fit_profile` fits version k on the fit halves; the
+   step-time MAPE (and the energy MAPE where a meter measured the steps) of version k and of the fitted profile
+   are computed on the held-out halves.
+4. The fitted profile is stored as version k+1 with its provenance (agent, calibration id, operator, the PROFILE
+   job and run, the calibration runs, time, the errors before and after).
+
+The calibration is the coordinator's: it goes on when the operator's command exits. Its progress lives in the
+coordinator's memory (``GetCalibration``); a coordinator restarted mid-calibration forgets it (its runs stay in
+the store, and no version is stored). Telemetry of ordinary TRAIN jobs does not refine the fit yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from host.fleet import serde
+from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
+
+fleet_pb2 = serde.fleet_pb2
+log = logging.getLogger("poet.fleet.calibrate")
+
+DEFAULT_MODELS, DEFAULT_STEPS, DEFAULT_BATCH_SIZE = CALIBRATION_MODELS, CALIBRATION_STEPS, CALIBRATION_BATCH_SIZE
+MIN_STEPS = 4  # a fit half and a held-out half of at least one step each after the warm-up step
+HEAVY_FRACTION_OF_PEAK = 0.6
+HEAVY_RUNTIME_FACTOR = 4.0
+CALIBRATION_LR = 0.01
+POLL_S = 0.25
+RUN_TIMEOUT_S = 3600.0
+EVENTS_TIMEOUT_S = 60.0  # after a run's result, for its last telemetry events to be stored
+SCHEDULES = (("keep-all", 1.0, 1.2), ("remat-paging-heavy", HEAVY_FRACTION_OF_PEAK, HEAVY_RUNTIME_FACTOR))
+
+_START_LOCK = threading.Lock()
+_KINDS = {"INSTRUCTION_KIND_COMPUTE": "compute", "INSTRUCTION_KIND_PAGE_OUT": "page_out",
+          "INSTRUCTION_KIND_PAGE_IN": "page_in", "INSTRUCTION_KIND_FREE": "free"}
+
+
+class CalibrationFailed(RuntimeError):
+    """The calibration cannot go on; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------ telemetry
+def instruction_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored ``instruction`` payload (proto field names, 64-bit ints as strings, enum names, defaults
+    omitted) as the dict :class:`host.calibrate.fit.CalibrationRun` takes."""
+    kind = event.get("kind", "INSTRUCTION_KIND_UNSPECIFIED")
+    return {
+        "step": int(event.get("step", 0)), "position": int(event.get("position", 0)),
+        "kind": _KINDS.get(kind, kind), "node": int(event.get("node", 0)), "node_name": event.get("node_name", ""),
+        "node_kind": event.get("node_kind", ""), "recompute": bool(event.get("recompute", False)),
+        "duration_s": float(event.get("duration_s", 0.0)), "bytes_moved": int(event.get("bytes_moved", 0)),
+        "cpu_s": float(event.get("cpu_s", 0.0)),
+    }
+
+
+def step_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored ``step`` payload as the dict CalibrationRun takes (``energy_j`` absent when not measured)."""
+    out: dict[str, Any] = {
+        "step": int(event.get("step", 0)), "duration_s": float(event.get("duration_s", 0.0)),
+        "optimizer_s": float(event.get("optimizer_s", 0.0)), "compute_s": float(event.get("compute_s", 0.0)),
+        "paging_s": float(event.get("paging_s", 0.0)), "cpu_s": float(event.get("cpu_s", 0.0)),
+        "energy_source": event.get("energy_source", ""),
+    }
+    if event.get("energy_j") is not None:
+        out["energy_j"] = float(event["energy_j"])
+    return out
+
+
+def telemetry_steps(payloads: Iterable[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(instructions, steps) of a run from its stored payloads, in seq order.
+
+    The board sends a step's instruction events, then its step event; the step event carries the job's step
+    number (from 1, also after a resume) while the executor numbers instructions from 0 in each process. So
+    every instruction is given the number of the step event that follows it. A step re-run after a resume
+    sends its events again: the later copy of a step wins.
+    """
+    by_step: dict[int, tuple[list[dict], dict]] = {}
+    pending: list[dict] = []
+    for payload in payloads:
+        if "instruction" in payload:
+            pending.append(instruction_from_payload(payload["instruction"]))
+        elif "step" in payload:
+            step = step_from_payload(payload["step"])
+            for instruction in pending:
+                instruction["step"] = step["step"]
+            by_step[step["step"]] = (pending, step)
+            pending = []
+    instructions, steps = [], []
+    for number in sorted(by_step):
+        instructions += by_step[number][0]
+        steps.append(by_step[number][1])
+    return instructions, steps
+
+
+def runs_from_store(store, run_ids: Iterable[str], graph_for_run: Callable[[Any], Any],
+                    schedule_for_run: Callable[[Any], Any]) -> list:
+    """One CalibrationRun per run id, from the telemetry the coordinator stored; ``graph_for_run`` and
+    ``schedule_for_run`` take the store's RunRecord."""
+    from host.calibrate.fit import CalibrationRun
+
+    runs = []
+    for run_id in run_ids:
+        record = store.get_run(run_id)
+        instructions, steps = telemetry_steps(payload for _, payload in store.get_events(run_id))
+        runs.append(CalibrationRun(graph=graph_for_run(record), schedule=schedule_for_run(record),
+                                   instructions=instructions, steps=steps))
+    return runs
+
+
+def split_run(run, first: int, last: int):
+    """The run restricted to steps first..last (inclusive)."""
+    from host.calibrate.fit import CalibrationRun
+
+    return CalibrationRun(graph=run.graph, schedule=run.schedule,
+                          instructions=[i for i in run.instructions if first <= i["step"] <= last],
+                          steps=[s for s in run.steps if first <= s["step"] <= last])
+
+
+def fit_and_heldout_steps(steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((first, last) fitted, (first, last) held out) of a run of ``steps`` steps: 2..N/2 and N/2+1..N."""
+    half = steps // 2
+    return (2, half), (half + 1, steps)
+
+
+# ------------------------------------------------------------------------------------------ the calibration
+@dataclass
+class Calibration:
+    calibration_id: str
+    agent: str
+    operator: str
+    models: list[str]
+    steps: int
+    batch_size: int
+    status: str = "running"  # running | done | failed
+    stage: str = "starting"
+    run_ids: list[str] = field(default_factory=list)
+    report: dict[str, Any] | None = None
+    error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def info(self):
+        with self.lock:
+            return fleet_pb2.CalibrationInfo(
+                calibration_id=self.calibration_id, agent=self.agent, status=self.status, stage=self.stage,
+                run_ids=list(self.run_ids), report_json=serde.dumps(self.report) if self.report is not None else "",
+                error=self.error)
+
+    def set_stage(self, text: str) -> None:
+        with self.lock:
+            self.stage = text
+        log.info("calibration %s of %s: %s", self.calibration_id, self.agent, text)
+
+
+def _registry(coordinator) -> dict[str, Calibration]:
+    return coordinator.calibrations
+
+
+def start_calibration(coordinator, request, *, operator: str):
+    """Check the request, start the calibration thread, and return its CalibrationInfo."""
+    from host.fleet.service import _Refused
+
+    agents = {a.name: a for a in coordinator.store.list_agents()}
+    if request.agent not in agents:
+        listing = ", ".join(sorted(agents)) or "none has registered"
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"unknown agent {request.agent!r}; known agents: {listing} (see `poet fleet list`)")
+    steps = request.steps or DEFAULT_STEPS
+    if steps < MIN_STEPS:
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"calibration runs need at least {MIN_STEPS} steps (a warm-up step, a fitted half and a "
+                       f"held-out half); got {steps}")
+    models = [m for m in dict.fromkeys(request.models) if m] or list(DEFAULT_MODELS)
+    calibrations = _registry(coordinator)
+    with _START_LOCK:
+        busy = [c for c in calibrations.values() if c.agent == request.agent and c.status == "running"]
+        if busy:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"board {request.agent!r} is being calibrated already ({busy[0].calibration_id}); wait "
+                           f"for it")
+        calibration = Calibration(f"cal-{uuid.uuid4().hex[:12]}", request.agent, operator, models, steps,
+                                  request.batch_size or DEFAULT_BATCH_SIZE)
+        calibrations[calibration.calibration_id] = calibration
+    threading.Thread(target=_run, args=(coordinator, calibration), name=f"calibrate-{request.agent}",
+                     daemon=True).start()
+    return calibration.info()
+
+
+def calibration_info(coordinator, calibration_id: str):
+    from host.fleet.service import _Refused
+
+    calibration = _registry(coordinator).get(calibration_id)
+    if calibration is None:
+        raise _Refused(grpc.StatusCode.NOT_FOUND,
+                       f"no calibration {calibration_id!r} on this coordinator (calibrations in progress are "
+                       f"forgotten when it restarts; see `poet profiles list` for the stored versions)")
+    return calibration.info()
+
+
+def _run(coordinator, calibration: Calibration) -> None:
+    try:
+        report = calibrate(coordinator, calibration)
+    except Exception as error:  # the thread's end: every failure is the calibration's outcome
+        from host.fleet.service import _Refused
+
+        message = error.message if isinstance(error, _Refused) else str(error) or type(error).__name__
+        log.warning("calibration %s of %s failed: %s", calibration.calibration_id, calibration.agent, message,
+                    exc_info=not isinstance(error, (_Refused, CalibrationFailed)))
+        with calibration.lock:
+            calibration.status, calibration.error = "failed", message
+        return
+    with calibration.lock:
+        calibration.report, calibration.status, calibration.stage = report, "done", "done"
+
+
+def _request(calibration: Calibration, **fields):
+    return fleet_pb2.SubmitRunRequest(agents=[calibration.agent], seed=0, collect=fleet_pb2.COLLECT_NONE,
+                                      optimizer=fleet_pb2.OPTIMIZER_SGD, **fields)
+
+
+def _wait(coordinator, calibration: Calibration, run_ids: Sequence[str], what: str) -> list:
+    """The runs once each ended (and, when done, once its telemetry is all stored)."""
+    store = coordinator.store
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    settled_at: dict[str, float] = {}
+    while True:
+        records = [store.get_run(r) for r in run_ids]
+        now = time.monotonic()
+        waiting = []
+        for record in records:
+            if record.status not in ("done", "failed", "does_not_fit"):
+                waiting.append(record)
+            elif record.status == "done" and record.events_stored < int(record.metrics.get("events_emitted") or 0):
+                settled_at.setdefault(record.run_id, now)
+                if now - settled_at[record.run_id] < EVENTS_TIMEOUT_S:
+                    waiting.append(record)
+        if not waiting:
+            return records
+        if now > deadline:
+            raise CalibrationFailed(f"{what}: runs {', '.join(r.run_id for r in waiting)} did not end within "
+                                    f"{RUN_TIMEOUT_S:g} s; is the board online (`poet fleet list`)?")
+        progress = ", ".join(f"{r.run_id} {r.status} step {r.metrics.get('steps_done') or 0}" for r in waiting)
+        with calibration.lock:
+            calibration.stage = f"{what}: {progress}"
+        time.sleep(POLL_S)
+
+
+def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
+    """The calibration's steps (module docstring); returns the report `poet calibrate --json` prints."""
+    from device_agent.agent.datasets import SYNTHETIC_DATASET
+    from device_agent.serde import schedule_from_json
+    from host.calibrate.fit import energy_mape, fit_profile, step_time_mape
+    from host.costs import PlatformProfile
+
+    store, agent = coordinator.store, calibration.agent
+    started = time.time()
+
+    # 1. the micro-benchmarks: version k
+    calibration.set_stage("PROFILE job: the board measures its compute and flash")
+    profile_run = coordinator.submit(_request(calibration, kind=fleet_pb2.JOB_KIND_PROFILE))[0]
+    with calibration.lock:
+        calibration.run_ids.append(profile_run.run_id)
+    record = _wait(coordinator, calibration, [profile_run.run_id], "PROFILE job")[0]
+    if record.status != "done" or record.metrics.get("profile_version") is None:
+        raise CalibrationFailed(f"the PROFILE run {record.run_id} ended {record.status}: {record.detail or 'no profile'}")
+    base_version = int(record.metrics["profile_version"])
+    base = PlatformProfile.from_dict(store.get_profile_version(agent, base_version).profile,
+                                     file_label=f"profile v{base_version} of {agent}")
+
+    # 2. calibration runs, all solved on version k
+    planned: list[dict[str, Any]] = []
+    for model in calibration.models:
+        for label, fraction, runtime_factor in SCHEDULES:
+            calibration.set_stage(f"solving {model} ({label}) on profile v{base_version}")
+            fields = dict(kind=fleet_pb2.JOB_KIND_TRAIN, model=model, dataset=SYNTHETIC_DATASET,
+                          steps=calibration.steps, lr=CALIBRATION_LR, batch_size=calibration.batch_size,
+                          runtime_budget=runtime_factor, profile_version=base_version)
+            run = coordinator.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(fraction_of_peak=fraction),
+                                              **fields))[0]
+            budget_note = f"{fraction:.0%} of the no-remat peak"
+            if serde.RUN_STATUS_FROM_PB[run.status] == "does_not_fit" and run.min_ram_budget_bytes:
+                run = coordinator.submit(_request(
+                    calibration, ram_budget=fleet_pb2.RamBudget(budget_bytes=run.min_ram_budget_bytes), **fields))[0]
+                budget_note = f"the model's floor ({fraction:.0%} of the peak is below it)"
+            status = serde.RUN_STATUS_FROM_PB[run.status]
+            with calibration.lock:
+                calibration.run_ids.append(run.run_id)
+            planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
+                            "status": status, "error": run.error or None})
+    queued = [p["run_id"] for p in planned if p["status"] == "queued"]
+    if not queued:
+        raise CalibrationFailed("no calibration run could be scheduled: "
+                                + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
+    records = {r.run_id: r for r in _wait(coordinator, calibration, queued, "calibration runs")}
+
+    # 3. fit on steps 2..N/2, compare on N/2+1..N
+    calibration.set_stage("fitting")
+    (fit_first, fit_last), (held_first, held_last) = fit_and_heldout_steps(calibration.steps)
+    done = [run_id for run_id in queued if records[run_id].status == "done"]
+    for entry in planned:
+        if entry["run_id"] in records:
+            record = records[entry["run_id"]]
+            entry.update(status=record.status, error=record.detail, ram_budget_bytes=record.ram_budget_bytes,
+                         recomputes=record.metrics.get("recomputes"), page_ins=record.metrics.get("page_ins"),
+                         page_outs=record.metrics.get("page_outs"), events_stored=record.events_stored)
+    if not done:
+        raise CalibrationFailed("every calibration run failed: "
+                                + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
+
+    def graph_for_run(record):
+        spec = coordinator.spec(record.job_id)
+        return coordinator.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
+
+    def schedule_for_run(record):
+        spec = coordinator.spec(record.job_id)
+        return schedule_from_json(spec["schedules"][record.metrics["schedule_key"]], source=f"run {record.run_id}")
+
+    runs = runs_from_store(store, done, graph_for_run, schedule_for_run)
+    fit_runs = [split_run(r, fit_first, fit_last) for r in runs]
+    held_runs = [split_run(r, held_first, held_last) for r in runs]
+    if not any(r.steps for r in held_runs) or not any(r.instructions for r in fit_runs):
+        raise CalibrationFailed("the calibration runs' telemetry has no steps to fit or to hold out "
+                                f"(fit steps {fit_first}..{fit_last}, held out {held_first}..{held_last})")
+    fitted = fit_profile(base, fit_runs, note=f"calibration {calibration.calibration_id} of {agent}")
+    errors = {
+        "step_mape_before": step_time_mape(base, held_runs), "step_mape_after": step_time_mape(fitted, held_runs),
+        "energy_mape_before": energy_mape(base, held_runs), "energy_mape_after": energy_mape(fitted, held_runs),
+    }
+    sources = [s.get("energy_source") for r in runs for s in r.steps if s.get("energy_source")]
+    energy_source = sources[-1] if sources else None
+    by_id = dict(zip(done, held_runs, strict=True))
+    for entry in planned:
+        held = by_id.get(entry["run_id"])
+        if held is not None and held.steps:
+            entry["step_mape_before"] = step_time_mape(base, [held])
+            entry["step_mape_after"] = step_time_mape(fitted, [held])
+
+    # 4. store version k+1 with its provenance
+    provenance = {
+        "source": "calibration", "agent": agent, "calibration_id": calibration.calibration_id,
+        "operator": calibration.operator, "base_version": base_version, "profile_job_id": record_job(store, profile_run),
+        "profile_run_id": profile_run.run_id, "run_ids": done, "job_ids": [records[r].job_id for r in done],
+        "models": calibration.models, "steps": calibration.steps, "batch_size": calibration.batch_size,
+        "fit_steps": [fit_first, fit_last], "heldout_steps": [held_first, held_last],
+        "started_unix_s": started, "created_unix_s": time.time(), **errors, "energy_source": energy_source,
+    }
+    version = store.add_profile_version(agent, fitted.to_dict(), provenance=provenance)
+    log.info("calibration %s of %s stored profile v%d: step MAPE %.1f%% -> %.1f%%", calibration.calibration_id,
+             agent, version.version, errors["step_mape_before"], errors["step_mape_after"])
+    return {"agent": agent, "calibration_id": calibration.calibration_id, "profile_version": version.version,
+            "base_profile_version": base_version, **errors, "energy_source": energy_source,
+            "fit_steps": [fit_first, fit_last], "heldout_steps": [held_first, held_last],
+            "profile_run_id": profile_run.run_id, "runs": planned, "seconds": round(time.time() - started, 3)}
+
+
+def record_job(store, run_info) -> str:
+    return store.get_run(run_info.run_id).job_id
+
+
+__all__ = ["DEFAULT_MODELS", "Calibration", "CalibrationFailed", "calibration_info", "fit_and_heldout_steps",
+           "instruction_from_payload", "runs_from_store", "split_run", "start_calibration", "step_from_payload",
+           "telemetry_steps"]

@@ -1,0 +1,95 @@
+"""`poet calibrate`: the stored telemetry as the fit reads it, and the whole loop end to end with a real
+coordinator (`poet serve`) and a real board (`poet-agent run`) on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from device_agent import protos
+from host.fleet import serde
+from host.fleet.calibration import fit_and_heldout_steps, telemetry_steps
+from tests.e2e.conftest import cert_dir, dump, fleet, shards  # noqa: F401 (fixtures)
+
+fleet_pb2 = protos.load("poet.v1.fleet_pb2")
+schedule_pb2 = protos.load("poet.v1.schedule_pb2")
+
+
+def _instruction(seq, executor_step, kind, node, **extra):
+    return serde.event_payload(fleet_pb2.TelemetryEvent(seq=seq, job_id="j", instruction=fleet_pb2.InstructionTelemetry(
+        step=executor_step, kind=kind, node=node, node_name=f"n{node}", **extra)))
+
+
+def _step(seq, step, **extra):
+    return serde.event_payload(fleet_pb2.TelemetryEvent(seq=seq, job_id="j", step=fleet_pb2.StepTelemetry(
+        step=step, **extra)))
+
+
+def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
+    compute, page_out = schedule_pb2.INSTRUCTION_KIND_COMPUTE, schedule_pb2.INSTRUCTION_KIND_PAGE_OUT
+    payloads = [
+        _instruction(1, 0, compute, 0, duration_s=0.5, cpu_s=0.4),
+        _instruction(2, 0, page_out, 1, duration_s=0.25, bytes_moved=1 << 40),
+        _step(3, 1, duration_s=1.0, optimizer_s=0.1, energy_j=2.0, energy_source="measured:rapl"),
+        {"seq": "4", "job_id": "j", "rss": {"rss_bytes": "123"}},
+        # a resume: the executor counts from 0 again, step 2's events come twice; the later copy wins
+        _instruction(5, 1, compute, 0, duration_s=9.0),
+        _step(6, 2, duration_s=9.0, energy_source="modelled:cpu-time×power"),
+        _instruction(7, 0, compute, 0, duration_s=0.75),
+        _step(8, 2, duration_s=0.8, energy_source="modelled:cpu-time×power"),
+    ]
+    assert payloads[1]["instruction"]["bytes_moved"] == str(1 << 40)  # as stored: 64-bit ints are strings
+    instructions, steps = telemetry_steps(payloads)
+    assert [(i["step"], i["kind"], i["node"], i["duration_s"]) for i in instructions] == [
+        (1, "compute", 0, 0.5), (1, "page_out", 1, 0.25), (2, "compute", 0, 0.75)]
+    assert instructions[1]["bytes_moved"] == 1 << 40 and instructions[0]["cpu_s"] == 0.4
+    assert instructions[0]["node_name"] == "n0"
+    assert steps[0] == {"step": 1, "duration_s": 1.0, "optimizer_s": 0.1, "compute_s": 0.0, "paging_s": 0.0,
+                        "cpu_s": 0.0, "energy_source": "measured:rapl", "energy_j": 2.0}
+    assert steps[1]["step"] == 2 and steps[1]["duration_s"] == 0.8 and "energy_j" not in steps[1]
+
+
+def test_fit_and_heldout_halves():
+    assert fit_and_heldout_steps(12) == ((2, 6), (7, 12))
+    assert fit_and_heldout_steps(4) == ((2, 2), (3, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solved_on(fleet):  # noqa: F811
+    fleet.serve()
+    fleet.agent("b1", extra=("--platform", "a72"))
+    done = fleet.poet("calibrate", "--agent", "b1", "--models", "mlp", "--wait", "--json", timeout_s=540)
+    assert done.returncode == 0, done.stderr
+    from tests.host.cli.helpers import one_json_object
+
+    report = one_json_object(done.stdout)
+    assert {"agent", "profile_version", "step_mape_before", "step_mape_after", "energy_mape_before",
+            "energy_mape_after", "energy_source"} <= set(report), dump(report)
+    assert report["agent"] == "b1" and report["base_profile_version"] == 1 and report["profile_version"] == 2
+    assert report["step_mape_before"] >= 0 and report["step_mape_after"] >= 0
+    assert report["step_mape_after"] < report["step_mape_before"], dump(report)
+    # no meter on this machine: energy is modelled from CPU time, so there is no energy error to report
+    assert report["energy_source"].startswith("modelled:"), dump(report)
+    assert report["energy_mape_before"] is None and report["energy_mape_after"] is None
+    runs = report["runs"]
+    assert [(r["model"], r["schedule"], r["status"]) for r in runs] == [
+        ("mlp", "keep-all", "done"), ("mlp", "remat-paging-heavy", "done")], dump(report)
+    assert runs[0]["page_outs"] == runs[0]["recomputes"] == 0
+    assert runs[1]["page_outs"] + runs[1]["recomputes"] > 0, dump(report)
+    assert "b1: PROFILE job" in done.stderr and "b1: calibration runs" in done.stderr  # --wait: progress on stderr
+    print(dump(report))
+
+    versions = fleet.poet_json("profiles", "list", "--agent", "b1")["profiles"]
+    assert [(v["version"], v["provenance"]["source"]) for v in versions] == [(1, "profile-job"),
+                                                                            (2, "calibration")]
+    provenance = versions[1]["provenance"]
+    assert provenance["agent"] == "b1" and provenance["base_version"] == 1
+    assert provenance["run_ids"] == [r["run_id"] for r in runs]
+    assert provenance["step_mape_after"] == report["step_mape_after"]
+    assert provenance["energy_mape_after"] is None and provenance["created_unix_s"] > 0
+    diff = fleet.poet_json("profiles", "diff", "b1", "1", "2")
+    assert diff["changes"], dump(diff)
+    for run in runs:  # the calibration runs were solved on version 1, the PROFILE job's
+        assert fleet.show(run["run_id"])["profile"]["version"] == 1
+    after = fleet.submit("b1", steps=2)[0]
+    assert after["profile"]["version"] == 2, dump(after)
