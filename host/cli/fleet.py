@@ -449,11 +449,13 @@ def cmd_calibrate(args, console: Console, op: Operator) -> int:
     last_stage = None
     try:
         while info.status == "running":
-            if args.wait and info.stage != last_stage:
-                if info.stage.split(":")[0] != (last_stage or "").split(":")[0]:
-                    console.log(f"  {info.agent}: {info.stage.split(':')[0]}")
+            if args.wait and info.stage != last_stage:  # a new stage is logged; a stage's progress is a live line
+                stage, _, detail = info.stage.partition(": ")
+                if stage != (last_stage or "").partition(": ")[0]:
+                    console.log(f"  {info.agent}: {stage}")
+                elif detail:
+                    console.status.line(f"  {info.agent}: {info.stage}")
                 last_stage = info.stage
-                console.status.line(f"  {info.agent}: {info.stage}")
             time.sleep(POLL_INTERVAL_S)
             info = op.call("GetCalibration", op.pb.GetCalibrationRequest(calibration_id=info.calibration_id))
     except KeyboardInterrupt:
