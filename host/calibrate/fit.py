@@ -169,7 +169,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     samples: list[tuple[str, str, float, float]] = []  # (direction, op_class, flops, median seconds)
     transfers = {"page_in": [], "page_out": []}  # (bytes, seconds)
     optimizer_rates: list[float] = []
-    overheads: list[float] = []
+    rest_rows: list[list[float]] = []  # per step: [1, instructions] -> seconds outside instructions and optimizer
+    rest_targets: list[float] = []
+    frees = {"ram": [], "flash": []}
     for run in runs:
         _check_graph(run)
         graph = run.graph
@@ -187,6 +189,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
                 durations.setdefault(int(event["node"]), []).append(seconds)
             elif kind in transfers and seconds > 0:
                 transfers[kind].append((float(event.get("bytes_moved", 0)), seconds))
+            elif kind == "free":
+                location = str(event.get("location", "ram")).lower().removeprefix("location_")
+                frees["flash" if location == "flash" else "ram"].append(seconds)
         for index, values in durations.items():
             node = graph.nodes[index]
             direction = "bwd" if node.kind == "bwd" else "fwd"
@@ -199,7 +204,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
             if optimizer_s > 0 and graph.param_bytes > 0:
                 optimizer_rates.append(graph.param_bytes / optimizer_s)
             rest = float(step_event.get("duration_s", 0.0)) - per_step_s[step] - optimizer_s
-            overheads.append(max(rest, 0.0) / max(per_step_count[step], 1))
+            if rest > 0:
+                rest_rows.append([1.0, float(per_step_count[step])])
+                rest_targets.append(rest)
     if not samples:
         raise CalibrationError(f"no measured computes after the first {warmup_steps} step(s): train more steps")
     changes: dict = {"path": None}
@@ -247,9 +254,16 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     if optimizer_rates:
         changes["optimizer_bytes_per_s"] = statistics.median(optimizer_rates)
         sources["step.optimizer_bytes_per_s"] = f"{note}: parameter bytes / median optimizer seconds"
-    if overheads:
-        changes["instruction_overhead_s"] = statistics.median(overheads)
-        sources["step.instruction_overhead_s"] = f"{note}: median step time outside instructions and optimizer"
+    if len(rest_rows) >= 2:
+        step_overhead_s, per_instruction_s = _nnls(rest_rows, rest_targets)
+        changes["step_overhead_s"] = float(step_overhead_s)
+        changes["instruction_overhead_s"] = float(per_instruction_s)
+        for key in ("step_overhead_s", "instruction_overhead_s"):
+            sources[f"step.{key}"] = f"{note}: step time outside instructions and optimizer, least squares"
+    for location, values in frees.items():
+        if values:
+            changes[f"free_{location}_s"] = statistics.median(values)
+            sources[f"step.free_{location}_s"] = f"{note}: median of {len(values)} frees"
     fitted = dataclasses.replace(profile, **changes, sources=sources)
     fitted = _fit_powers(fitted, runs, note, warmup_steps)
     return dataclasses.replace(fitted, description=f"{profile.description}; {note}")
@@ -301,7 +315,7 @@ def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tu
     from host.costs.pricing import price_graph
 
     priced = price_graph(graph, profile)
-    seconds = joules = 0.0
+    seconds = joules = other_s = 0.0
     for instruction in schedule.instructions:
         n = instruction.node
         if instruction.kind == "compute":
@@ -313,7 +327,9 @@ def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tu
         elif instruction.kind == "page_out":
             seconds += priced.page_out_s[n]
             joules += priced.page_out_j[n]
-    other_s = len(schedule.instructions) * profile.instruction_overhead_s
+        elif instruction.kind == "free":
+            other_s += profile.free_flash_s if instruction.location == "flash" else profile.free_ram_s
+    other_s += len(schedule.instructions) * profile.instruction_overhead_s + profile.step_overhead_s
     if profile.optimizer_bytes_per_s:
         other_s += graph.param_bytes / profile.optimizer_bytes_per_s
     other_w = profile.idle_power_w if profile.idle_power_w is not None else profile.compute_power_w

@@ -78,6 +78,9 @@ class PlatformProfile:
     bwd_node_overhead_s: float = 0.0  # fixed seconds per bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
     instruction_overhead_s: float = 0.0  # executor seconds per instruction outside computes and transfers
+    step_overhead_s: float = 0.0  # executor seconds per step outside instructions and the optimizer
+    free_ram_s: float = 0.0  # seconds to drop a tensor from RAM
+    free_flash_s: float = 0.0  # seconds to delete a page file
     idle_power_w: float | None = None  # drawn outside computes and transfers (a meter's fit)
 
     def flops_per_s_for(self, op_class: str, kind: str = "fwd") -> float:
@@ -103,8 +106,9 @@ class PlatformProfile:
         step = {}
         if self.optimizer_bytes_per_s is not None:
             step["optimizer_bytes_per_s"] = self.optimizer_bytes_per_s
-        if self.instruction_overhead_s:
-            step["instruction_overhead_s"] = self.instruction_overhead_s
+        for key in ("instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s"):
+            if getattr(self, key):
+                step[key] = getattr(self, key)
         extra: dict[str, Any] = {"step": step} if step else {}
         if self.idle_power_w is not None:
             extra["idle_power_w"] = self.idle_power_w
@@ -152,7 +156,7 @@ _TOP_KEYS = (
     "sources",
 )
 _COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s")
-_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s")
+_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
     "schema_version": f"the integer {SCHEMA_VERSION}",
@@ -272,8 +276,8 @@ class _Validator:
             self._number(step["optimizer_bytes_per_s"], "step.optimizer_bytes_per_s", "bytes per second", positive=True)
             if step.get("optimizer_bytes_per_s") is not None else None
         )
-        instruction_overhead_s = self._number(step.get("instruction_overhead_s", 0.0), "step.instruction_overhead_s",
-                                              "seconds", positive=False)
+        step_seconds = {key: self._number(step.get(key, 0.0), f"step.{key}", "seconds", positive=False)
+                        for key in _STEP_KEYS[1:]}
         idle_power_w = (self._number(data["idle_power_w"], "idle_power_w", "watts", positive=False)
                         if data.get("idle_power_w") is not None else None)
 
@@ -319,7 +323,7 @@ class _Validator:
             fwd_node_overhead_s=node_overhead_s.get("fwd", 0.0),
             bwd_node_overhead_s=node_overhead_s.get("bwd", 0.0),
             optimizer_bytes_per_s=optimizer_bytes_per_s,
-            instruction_overhead_s=instruction_overhead_s,
+            **step_seconds,
             idle_power_w=idle_power_w,
         )
 
