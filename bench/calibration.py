@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per model and schedule (default 12)")
     parser.add_argument("--flash-dir", default=None, help="where pages go (default: a temporary directory)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: the CPUs this process may run on)")
+    parser.add_argument("--plot", metavar="DIR", help="write predicted-vs-measured plots into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
 
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from host.calibrate.fit import energy_mape, fit_profile, predict_step, step_time_mape
     from host.costs import PlatformProfile
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0))))
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                               "energy_mape_before": energy_mape(before, held),
                               "energy_mape_after": energy_mape(after, held)}
     energy_source = cases[0].run.steps[0].get("energy_source") if cases else None
+    if args.plot:
+        _plots(Path(args.plot), cases, before, after, log)
     report = {"cases": rows, "summary": summary, "energy_source": energy_source,
               "torch_threads": torch.get_num_threads()}
     if args.json:
@@ -173,6 +178,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: step-time MAPE {figures['step_mape_before']:.1f}% -> {figures['step_mape_after']:.1f}%; "
               f"{energy}")
     return 0
+
+
+def _plots(directory: Path, cases: list[Case], before, after, log) -> None:
+    from host.calibrate.fit import predict_step
+    from host.costs import price_graph
+    from host.plots import plot_node_predictions, plot_step_errors
+
+    directory.mkdir(parents=True, exist_ok=True)
+    points, series = [], {}
+    for case in cases:
+        priced_before, priced_after = price_graph(case.run.graph, before), price_graph(case.run.graph, after)
+        seconds: dict[int, list[float]] = {}
+        for event in case.held_out.instructions:
+            if event["kind"] == "compute":
+                seconds.setdefault(event["node"], []).append(event["duration_s"])
+        points += [(statistics.median(v), float(priced_before.compute_s[n]), float(priced_after.compute_s[n]))
+                   for n, v in seconds.items() if statistics.median(v) > 0]
+        predicted_before, _ = predict_step(before, case.run.graph, case.run.schedule)
+        predicted_after, _ = predict_step(after, case.run.graph, case.run.schedule)
+        series[f"{case.model.rsplit(':', 1)[-1]} {case.schedule_name}"] = [
+            (s["step"], 100 * (predicted_before / s["duration_s"] - 1), 100 * (predicted_after / s["duration_s"] - 1))
+            for s in case.run.steps]
+    log(f"plot {plot_node_predictions(points, directory / 'calibration_nodes.png', 'node computes on this machine')}")
+    log(f"plot {plot_step_errors(series, directory / 'calibration_steps.png', 'step time over each run')}")
 
 
 if __name__ == "__main__":

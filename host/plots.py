@@ -234,3 +234,55 @@ def plot_pareto(rows: list[dict], path: Path, title: str) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+# ----------------------------------------------------------------------------- calibration
+def plot_node_predictions(points: Sequence[tuple[float, float, float]], path: Path, title: str) -> Path:
+    """Predicted against measured seconds per node compute, before and after calibration (log-log).
+
+    ``points``: (measured_s, predicted_before_s, predicted_after_s) per node; the diagonal is a perfect model.
+    """
+    figure, axis = plt.subplots(figsize=(6.4, 6))
+    measured = np.array([p[0] for p in points], dtype=float)
+    for column, label, marker in ((1, "before calibration", "x"), (2, "after calibration", "o")):
+        predicted = np.array([p[column] for p in points], dtype=float)
+        error = 100 * np.median(np.abs(predicted - measured) / measured) if len(measured) else float("nan")
+        axis.scatter(measured, predicted, s=14, marker=marker, alpha=0.7,
+                     label=f"{label} (median error {error:.0f}%)")
+    low = max(min(float(np.min([p[i] for p in points for i in range(3)])), 1e-7), 1e-7) if points else 1e-6
+    high = float(np.max([p[i] for p in points for i in range(3)])) if points else 1.0
+    axis.plot([low, high], [low, high], color="0.4", linewidth=0.8, label="predicted = measured")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("measured seconds per node compute (median over steps)")
+    axis.set_ylabel("predicted seconds")
+    axis.set_title(title)
+    axis.legend(fontsize=8.5)
+    axis.grid(alpha=0.25, which="both")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_step_errors(series: dict[str, Sequence[tuple[int, float, float]]], path: Path, title: str) -> Path:
+    """Per-step error of the predicted step time over a run, before and after calibration.
+
+    ``series``: run label -> (step, error_before_pct, error_after_pct) per step (signed: predicted over measured).
+    """
+    figure, axis = plt.subplots(figsize=(10, 4.6))
+    for index, (label, rows) in enumerate(series.items()):
+        color = f"C{index % 10}"
+        steps = [r[0] for r in rows]
+        axis.plot(steps, [r[1] for r in rows], color=color, linestyle=":", linewidth=1)
+        axis.plot(steps, [r[2] for r in rows], color=color, linewidth=1.4, label=label)
+    axis.axhline(0, color="0.4", linewidth=0.8)
+    axis.set_xlabel("step")
+    axis.set_ylabel("predicted - measured step time (% of measured)")
+    axis.set_title(f"{title}\n(dotted: before calibration; solid: after)")
+    axis.legend(fontsize=7.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    axis.grid(alpha=0.25)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

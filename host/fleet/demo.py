@@ -8,7 +8,9 @@ Run: ``python -m host.fleet.demo --dir DIR``. Every step is a real command a use
    board-b, whose ``--memory-limit`` is too small for plain training of the demo model (its auto budget
    lands at about half the model's no-remat peak, so it gets a schedule that pages);
 4. ``poet run --model digits_mlp --ram-budget auto --all --wait`` trains both and prints the table;
-5. everything stops with SIGTERM, and each process must exit 0.
+5. ``poet calibrate --agent board-b`` fits board-b's profile to its telemetry (a new profile version), and a
+   second run on board-b is solved and predicted on it: its predicted step time is printed beside the measured;
+6. everything stops with SIGTERM, and each process must exit 0.
 
 The memory limit is given with ``--memory-limit`` (the board's declared limit, which the auto budget uses)
 rather than a memory cgroup, which this demo does not assume it may create.
@@ -30,6 +32,7 @@ from pathlib import Path
 MODEL = "digits_mlp"
 DATASET = "digits"
 OPTIMIZER = "adamw"
+CALIBRATED_STEPS = 20  # the run after calibration: enough steps for a median step time
 BOARDS = ("board-a", "board-b")
 OPERATOR = "operator"
 BOARD_B_SHARE_OF_PEAK = 0.5  # board-b's auto budget aims at this share of the no-remat peak
@@ -168,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         _run([poet, "fleet", "list"], operator_env)
         _run([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(args.steps), "--ram-budget",
               "auto", "--all", "--optimizer", OPTIMIZER, "--wait"], operator_env)
+
+        print("== calibration: board-b measures itself, its profile is fitted to its telemetry (a new version), "
+              "and the next run is priced on it", file=sys.stderr)
+        _run([poet, "calibrate", "--agent", BOARDS[1], "--models", MODEL, "--batch-size", "512", "--wait"],
+             operator_env)
+        _run([poet, "profiles", "list", "--agent", BOARDS[1]], operator_env)
+        _run([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(CALIBRATED_STEPS), "--ram-budget",
+              "auto", "--agents", BOARDS[1], "--optimizer", OPTIMIZER, "--wait"], operator_env)
     finally:
         for process in reversed(processes):
             exit_codes[process.label] = process.stop()

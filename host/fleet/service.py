@@ -302,8 +302,13 @@ class Coordinator:
         prediction = result.schedule.prediction
         schedule_key = hashlib.sha256(serde.dumps([list(map(str, key))]).encode()).hexdigest()[:24]
         fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
-        predicted = {"step_s": prediction.runtime_s, "peak_ram_bytes": float(prediction.peak_ram_bytes),
-                     "energy_j": prediction.energy_j, "energy_source": f"predicted:{profile.name}"}
+        from host.calibrate.fit import predict_step
+
+        # A whole step: the schedule's computes and transfers, plus the optimizer and the executor's own
+        # time where the profile was calibrated (the solver's runtime covers only what a schedule changes).
+        step_s, step_j = predict_step(profile, graph, result.schedule)
+        predicted = {"step_s": step_s, "peak_ram_bytes": float(prediction.peak_ram_bytes),
+                     "energy_j": step_j, "energy_source": f"predicted:{profile.name}"}
         counts = {"recomputes": prediction.recomputes, "page_ins": prediction.page_ins,
                   "page_outs": prediction.page_outs}
         return BoardPlan(agent.name, "queued", budget, floor, schedule_key, fingerprint, predicted, counts, None,
