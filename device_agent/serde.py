@@ -201,7 +201,7 @@ def partition_spec_from_proto(grouping, schedule: Schedule):
 
 
 _INSTRUCTION_FIELDS = ("step", "position", "node", "node_name", "node_kind", "duration_s", "bytes_moved",
-                       "ram_in_use_bytes", "rss_bytes", "recompute", "cpu_s")
+                       "ram_in_use_bytes", "rss_bytes", "recompute", "cpu_s", "energy_source")
 _STEP_FIELDS = ("step", "duration_s", "loss", "peak_tracked_bytes", "peak_pinned_bytes", "ram_budget_bytes",
                 "fixed_bytes", "computes", "recomputes", "page_ins", "page_outs", "frees", "bytes_paged_out",
                 "bytes_paged_in", "compute_s", "paging_s", "optimizer_s", "cpu_s", "energy_source", "rss_peak_bytes",
@@ -212,10 +212,13 @@ def telemetry_event_to_proto(event, *, job_id: str, unix_time_s: float):
     """An executor event (InstructionEvent or StepSummary) as a TelemetryEvent without its sequence number."""
     message = _fleet.TelemetryEvent(job_id=job_id, unix_time_s=unix_time_s)
     if event.type == "instruction":
-        message.instruction.CopyFrom(_fleet.InstructionTelemetry(
+        instruction = _fleet.InstructionTelemetry(
             kind=_KIND_TO_PB[event.kind], location=_LOCATION_TO_PB[event.location],
             **{f: getattr(event, f) for f in _INSTRUCTION_FIELDS},
-        ))
+        )
+        if event.energy_j is not None:
+            instruction.energy_j = event.energy_j
+        message.instruction.CopyFrom(instruction)
     else:
         step = _fleet.StepTelemetry(**{f: getattr(event, f) for f in _STEP_FIELDS})
         if event.energy_j is not None:

@@ -327,14 +327,17 @@ class ScheduleExecutor:
         self._loss = float("nan")
         compute_s = paging_s = 0.0
         rss_peak = 0
-        meter_read = self.energy_meter.read if self.energy_meter is not None else ModelledEnergyMeter.read
+        meter = self.energy_meter
+        meter_read = meter.read if meter is not None else ModelledEnergyMeter.read
         start = meter_read()
         started = time.perf_counter()
         step = self.step_index
         nodes = partition.nodes
         try:
             for position, op in enumerate(self.ops):
-                cpu0 = time.process_time()
+                # Readings just before and just after the instruction: its CPU time, and its energy when
+                # there is a meter (the meter's label as of the after reading).
+                before = meter_read()
                 t0 = time.perf_counter()
                 if op.kind == "compute":
                     moved = self._compute(op)
@@ -351,11 +354,20 @@ class ScheduleExecutor:
                     moved = self._pages().delete(op.node)
                     self.counters.frees_flash += 1
                 duration_s = time.perf_counter() - t0
-                instruction_cpu_s = time.process_time() - cpu0
+                after = meter_read()
                 if op.kind == "compute":
                     compute_s += duration_s
                 elif op.kind in ("page_in", "page_out"):
                     paging_s += duration_s
+                if meter is not None:
+                    # page_out/page_in: the modelled meter charges storage power for the transfer (as the
+                    # step's figure does); a measured meter ignores paging_s.
+                    instruction_energy_j, instruction_cpu_s = meter.energy_j(
+                        before, after, duration_s if op.kind in ("page_in", "page_out") else 0.0)
+                    instruction_source = meter.source
+                else:
+                    instruction_energy_j, instruction_source = None, ""
+                    instruction_cpu_s = max(after.cpu_s - before.cpu_s, 0.0)
                 rss_bytes = self.rss.rss_bytes()
                 rss_peak = max(rss_peak, rss_bytes)
                 if self.enforce_budget and self.ram_budget_bytes and (
@@ -370,6 +382,7 @@ class ScheduleExecutor:
                     InstructionEvent(
                         step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s,
                         int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute, instruction_cpu_s,
+                        instruction_energy_j, instruction_source,
                     )
                 )
             if len(self.ram) or (self.pages is not None and self.pages.nodes()):

@@ -38,6 +38,11 @@ class InstructionEvent:
     rss_bytes: int  # process resident set size after the instruction
     recompute: bool = False  # a compute of a node already computed in this step
     cpu_s: float = 0.0  # CPU time of this process during the instruction (all threads)
+    # The meter's energy between readings just before and just after the instruction (page_out/page_in:
+    # a modelled meter adds storage power over the duration), and the meter's label at the after reading;
+    # None and "" without a meter. Disjoint intervals inside the step: they sum to at most its energy.
+    energy_j: float | None = None
+    energy_source: str = ""
     type: str = "instruction"
 
     def to_dict(self) -> dict[str, Any]:

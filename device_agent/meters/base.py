@@ -31,9 +31,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 from device_agent.meters.modelled import SOURCE as MODELLED_SOURCE
 from device_agent.meters.modelled import ModelledEnergyMeter
@@ -48,8 +48,7 @@ class MeterLost(RuntimeError):
     """The meter can no longer be read (raised by a meter's reading function)."""
 
 
-@dataclass(frozen=True)
-class MeterReading:
+class MeterReading(NamedTuple):  # a tuple: built around every instruction, cheaper than a frozen dataclass
     cpu_s: float
     wall_s: float
     energy_j: float | None  # cumulative joules since the meter started; None once the meter is lost

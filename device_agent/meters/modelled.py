@@ -8,13 +8,14 @@ Every figure it produces is labelled ``modelled:cpu-time×power``: it is a model
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SOURCE = "modelled:cpu-time×power"
 
 
-@dataclass(frozen=True)
-class EnergyReading:
+class EnergyReading(NamedTuple):
+    # A NamedTuple, not a frozen dataclass: the executor reads the meter around every instruction, and a
+    # tuple is built in a fifth of the time.
     cpu_s: float
     wall_s: float
 
