@@ -39,6 +39,7 @@ def assert_events_complete(fleet, run: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ 1. happy path
+@pytest.mark.slow  # about 7-18 s: the fast suite stays under 5 minutes
 def test_happy_path_two_boards_verify_run(fleet):
     fleet.serve()
     fleet.agent("b1", "1/2")

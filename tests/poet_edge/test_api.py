@@ -18,6 +18,7 @@ from tests.host.cli.helpers import one_json_object, poet
 REPORT_FIELDS = ("status", "objective_j", "compute_j", "paging_j", "runtime_s", "peak_ram_bytes", "gap", "schedule")
 
 
+@pytest.mark.slow  # it waits for a 20 s time limit: the fast suite stays under 5 minutes
 def test_the_papers_call_returns_its_best_schedule_at_the_time_limit():
     """The paper's call, on its own graph, with a shorter time limit: the best schedule so far and its gap."""
     result = solve(model="poet2022:resnet18_cifar", platform="m4", ram_budget=737719, runtime_budget=1.5,

@@ -132,6 +132,7 @@ def test_batches_are_deterministic_full_and_resume_from_a_data_position(tmp_path
     assert np.array_equal(run[0].x, ds.x[[int(v) for v in run[0].y]])  # x and y stay paired
 
 
+@pytest.mark.slow  # about 7-18 s: the fast suite stays under 5 minutes
 def test_make_demo_writes_disjoint_skewed_shards_and_refuses_to_overwrite(tmp_path):
     pytest.importorskip("sklearn", reason="make-demo needs scikit-learn (the `demo` extra)")
     data = tmp_path / "data"

@@ -175,6 +175,7 @@ def test_run_json_and_runs_list_json_contract(cert_dir, served):
     assert unknown.returncode == 2 and "pi-9" in unknown.stderr and "known agents: pi-1, pi-2" in unknown.stderr
 
 
+@pytest.mark.slow  # about 7-18 s: the fast suite stays under 5 minutes
 def test_run_wait_follows_the_boards_to_the_end_and_prints_the_table(cert_dir, served):
     stubs = {name: board(cert_dir, served.port, name) for name in ("pi-1", "pi-2")}
     outcome = {"pi-1": fleet_pb2.RUN_STATUS_DONE, "pi-2": fleet_pb2.RUN_STATUS_DONE}

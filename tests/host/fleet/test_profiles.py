@@ -75,6 +75,7 @@ def slow_flash() -> dict:
 RUN = ("run", "--model", "mlp", "--dataset", "digits", "--steps", "3", "--batch-size", "16")
 
 
+@pytest.mark.slow  # about 7-18 s: the fast suite stays under 5 minutes
 def test_runs_record_their_profile_and_a_pinned_version_is_used_or_refused(cert_dir, coordinator):
     register(cert_dir, coordinator.port, "pi-1")
     store = coordinator.store
