@@ -113,7 +113,7 @@ def calibrate_profile(
 # ------------------------------------------------------------------------------------------ fleet calibration
 # fit_profile fits what the paper's model lacks, from a board's telemetry of real runs (any schedules):
 #
-#   node compute s  = overhead[direction] + flops / rate[op_class, direction]     (direction: fwd | bwd)
+#   node compute s  = ops x overhead[direction] + flops / rate[op_class, direction]   (direction: fwd | bwd)
 #   page transfer s = latency[direction] + bytes / throughput[direction]
 #   step s          = computes + transfers + param_bytes / optimizer_bytes_per_s
 #                     + instructions x instruction_overhead_s
@@ -166,7 +166,7 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     """``profile`` with compute rates per op class and direction, node and instruction overheads, paging
     costs per direction, the optimizer's throughput and (with a meter) powers fitted to ``runs``."""
     note = note or f"fitted to the telemetry of {len(runs)} run(s)"
-    samples: list[tuple[str, str, float, float]] = []  # (direction, op_class, flops, median seconds)
+    samples: list[tuple[str, str, float, float, int]] = []  # (direction, op_class, flops, median s, ops)
     transfers = {"page_in": [], "page_out": []}  # (bytes, seconds)
     optimizer_rates: list[float] = []
     rest_rows: list[list[float]] = []  # per step: [1, instructions] -> seconds outside instructions and optimizer
@@ -195,7 +195,7 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
         for index, values in durations.items():
             node = graph.nodes[index]
             direction = "bwd" if node.kind == "bwd" else "fwd"
-            samples.append((direction, node.op_class, float(node.flops), statistics.median(values)))
+            samples.append((direction, node.op_class, float(node.flops), statistics.median(values), node.op_count))
         for step_event in run.steps:
             step = int(step_event.get("step", 0))
             if step <= warmup_steps or step not in per_step_s:
@@ -214,12 +214,12 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
 
     # compute: columns are the two overheads, then 1/rate per (direction, op_class) with flops
     columns = [("overhead", "fwd"), ("overhead", "bwd")]
-    columns += sorted({(d, c) for d, c, flops, _ in samples if flops > 0})
+    columns += sorted({(d, c) for d, c, flops, _, _ in samples if flops > 0})
     index = {key: i for i, key in enumerate(columns)}
     rows, targets = [], []
-    for direction, op_class, flops, seconds in samples:
+    for direction, op_class, flops, seconds, op_count in samples:
         row = [0.0] * len(columns)
-        row[index[("overhead", direction)]] = 1.0
+        row[index[("overhead", direction)]] = float(op_count)  # a dispatch cost per aten op
         if flops > 0:
             row[index[(direction, op_class)]] = flops
         rows.append(row)

@@ -3,7 +3,7 @@
 Per node i (power_computation.py of POET):
 
 * compute_s  = flops / flops_per_s[op_class]   (falls back to flops_per_s["default"]); a calibrated
-  profile prices backward nodes at their own rates and adds a fixed overhead per node
+  profile prices backward nodes at their own rates and adds a fixed overhead per op the node runs
 * compute_j  = flops / (1 / energy_per_flop_j) when the profile has energy_per_flop_j (POET's
   ``flop / FLOPS_PER_WATT``; dividing by the FLOP-per-joule figure, rather than multiplying by its
   reciprocal, reproduces the paper's floats bit for bit), else compute_s x compute_power_w
@@ -31,7 +31,8 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
     output_bytes = np.array([node.output_bytes for node in graph.nodes], dtype=np.float64)
     flops_per_s = np.array([profile.flops_per_s_for(node.op_class, node.kind) for node in graph.nodes],
                            dtype=np.float64)
-    overhead_s = np.array([profile.node_overhead_s_for(node.kind) for node in graph.nodes], dtype=np.float64)
+    overhead_s = np.array([profile.node_overhead_s_for(node.kind) * node.op_count for node in graph.nodes],
+                          dtype=np.float64)
 
     compute_s = overhead_s + flops / flops_per_s
     if profile.energy_per_flop_j is not None:

@@ -74,8 +74,8 @@ class PlatformProfile:
     # Optional, fitted from telemetry (host/calibrate): what the paper's model lacks. Absent, a profile
     # prices as the paper does (backward at forward rates, no per-node or per-step overheads).
     bwd_flops_per_s: dict[str, float] | None = None  # op_class -> FLOP/s of backward nodes
-    fwd_node_overhead_s: float = 0.0  # fixed seconds per fwd/loss compute (dispatch, bookkeeping)
-    bwd_node_overhead_s: float = 0.0  # fixed seconds per bwd compute
+    fwd_node_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
+    bwd_node_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
     instruction_overhead_s: float = 0.0  # executor seconds per instruction outside computes and transfers
     step_overhead_s: float = 0.0  # executor seconds per step outside instructions and the optimizer

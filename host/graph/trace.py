@@ -255,7 +255,8 @@ def _training_graph(
             if group.index == 0
             else list(dict.fromkeys(groups[producer[v]].name for v in group.input_values if v in producer))
         )
-        builder.add(group.name, group.kind, group.output_bytes, group.flops, deps, group.op_class)
+        builder.add(group.name, group.kind, group.output_bytes, group.flops, deps, group.op_class,
+                    op_count=len(group.fx_nodes))
     for group in reversed(groups[1:]):
         measured = backwards.by_group.get(group.index)
         if measured is None:
@@ -263,7 +264,8 @@ def _training_graph(
         deps = [f"bwd:{groups[c].name}" for c in backwards.upstream.get(group.index, [])]
         deps += [groups[g].name for g in measured.saved_groups]
         group.bwd_index = builder.add(
-            f"bwd:{group.name}", "bwd", measured.grad_bytes, measured.flops, deps, group.op_class, forward_of=group.name
+            f"bwd:{group.name}", "bwd", measured.grad_bytes, measured.flops, deps, group.op_class, forward_of=group.name,
+            op_count=len(group.fx_nodes),
         )
         group.bwd_flops = measured.flops
         group.bwd_output_bytes = measured.grad_bytes

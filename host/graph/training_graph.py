@@ -31,6 +31,7 @@ class GraphNode:
     deps: tuple[int, ...]
     op_class: str = "other"  # cost-model class: conv, matmul, norm, elementwise, pool, loss, input, other
     forward_index: int | None = None  # for a bwd node, the fwd/loss node whose gradient it computes
+    op_count: int = 1  # aten ops it runs (a bwd node: its forward's); a calibrated profile charges each a dispatch
 
 
 @dataclass
@@ -132,6 +133,7 @@ class TrainingGraph:
                     "deps": list(n.deps),
                     "op_class": n.op_class,
                     "forward_index": n.forward_index,
+                    **({"op_count": n.op_count} if n.op_count != 1 else {}),
                 }
                 for n in self.nodes
             ],
@@ -149,6 +151,7 @@ class TrainingGraph:
                 deps=tuple(d["deps"]),
                 op_class=d.get("op_class", "other"),
                 forward_index=d.get("forward_index"),
+                op_count=int(d.get("op_count", 1)),
             )
             for i, d in enumerate(data["nodes"])
         ]
@@ -179,6 +182,7 @@ class GraphBuilder:
         deps: list[str] | tuple[str, ...] = (),
         op_class: str = "other",
         forward_of: str | None = None,
+        op_count: int = 1,
     ) -> int:
         if name in self._index_by_name:
             raise GraphError(f"duplicate node name {name!r}")
@@ -189,7 +193,8 @@ class GraphBuilder:
         index = len(self._nodes)
         forward_index = self._index_by_name[forward_of] if forward_of is not None else None
         self._nodes.append(
-            GraphNode(index, name, kind, int(output_bytes), int(flops), dep_indices, op_class, forward_index)
+            GraphNode(index, name, kind, int(output_bytes), int(flops), dep_indices, op_class, forward_index,
+                      max(1, int(op_count)))
         )
         self._index_by_name[name] = index
         return index

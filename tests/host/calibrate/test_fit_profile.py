@@ -137,3 +137,16 @@ def test_events_of_another_graph_are_refused():
     run.instructions[5]["node_name"] = "conv9"
     with pytest.raises(CalibrationError, match="does not match graph"):
         fit_profile(load_profile("a72"), [run])
+
+
+def test_a_calibrated_node_overhead_is_charged_per_op_the_node_runs():
+    b = GraphBuilder("ops")
+    b.add("input", "fwd", 0, 0, [], "input")
+    b.add("one", "fwd", 4, 1_000, ["input"], "elementwise", op_count=1)
+    b.add("many", "fwd", 4, 1_000, ["one"], "elementwise", op_count=12)
+    graph = b.build(param_bytes=0, param_grad_bytes=0, optimizer_state_bytes=0, other_fixed_bytes=0)
+    profile = dataclasses.replace(_true_profile(), fwd_node_overhead_s=1e-5)
+    priced = price_graph(graph, profile)
+    assert priced.compute_s[2] - priced.compute_s[1] == pytest.approx(11 * 1e-5)
+    again = type(graph).from_dict(graph.to_dict())
+    assert [n.op_count for n in again.nodes] == [1, 1, 12]
