@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save
 from device_agent import protos
 from device_agent.agent.datasets import SYNTHETIC_DATASET, DatasetError, LocalDataset, SyntheticDataset
 from device_agent.agent.program import load_module, load_program
-from device_agent.executor import ScheduleExecutor, plain_train_step
+from device_agent.executor import ScheduleExecutor, make_optimizer, parameter_differences, plain_train_step
 from device_agent.executor.telemetry import EventStream
 from device_agent.fileio import atomic_write_bytes, atomic_write_text
 from device_agent.meters.memory import RssSampler
@@ -41,8 +41,7 @@ from device_agent.serde import rss_event_to_proto, schedule_from_proto, telemetr
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY_STEPS", "JobCancelled", "JobError", "JobRunner", "max_rel_param_diff",
-           "param_digest"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY_STEPS", "JobCancelled", "JobError", "JobRunner", "param_digest"]
 
 DEFAULT_CHECKPOINT_EVERY_STEPS = 10
 MAX_INLINE_WEIGHTS_BYTES = 6 * 1024 * 1024  # below the coordinator's 8 MiB message bound
@@ -60,13 +59,6 @@ class JobCancelled(JobError):
     """The coordinator (or a signal) stopped the job; its last checkpoint stays for a resume."""
 
 
-def make_optimizer(name: str, parameters, lr: float):
-    """SGD (momentum 0.9, lr 0.01) or AdamW (lr 1e-3), as ``poet train`` makes them."""
-    if name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr or 0.01, momentum=0.9)
-    return torch.optim.AdamW(parameters, lr=lr or 1e-3)
-
-
 def param_digest(module: torch.nn.Module) -> str:
     """sha256 over the parameters in name order: name, dtype, shape and raw bytes."""
     digest = hashlib.sha256()
@@ -75,20 +67,6 @@ def param_digest(module: torch.nn.Module) -> str:
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
-
-
-def max_rel_param_diff(module_a: torch.nn.Module, module_b: torch.nn.Module) -> float:
-    """Largest per-tensor max |a - b| / max |b| over parameters and buffers (0.0 when bitwise equal)."""
-    worst = 0.0
-    pairs = list(zip(module_a.named_parameters(), module_b.named_parameters(), strict=True))
-    pairs += list(zip(module_a.named_buffers(), module_b.named_buffers(), strict=True))
-    for (_, a), (_, b) in pairs:
-        if torch.equal(a, b):
-            continue
-        diff = float((a.detach().double() - b.detach().double()).abs().max())
-        scale = float(b.detach().double().abs().max())
-        worst = max(worst, diff / scale if scale > 0 else math.inf)
-    return worst
 
 
 def _state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -278,7 +256,7 @@ class JobRunner:
         for batch in dataset.batches(batch_size, job.seed, count=job.steps):
             x, y = self._tensors(batch, job.grouping)
             plain_train_step(lambda *inputs, y=y: plain(*inputs, labels=y), _loss_of, (x,), y, optimizer)
-        return max_rel_param_diff(trained, plain)
+        return parameter_differences(trained, plain)["max_rel_param_diff"]
 
     # ------------------------------------------------------------------------------ data
     def _dataset(self, job) -> tuple[LocalDataset, int]:

@@ -1,6 +1,7 @@
 """Runs a Schedule on a real model: the RAM tensor store, the flash page store, exact backward."""
 
 from device_agent.executor.executor import (
+    OPTIMIZERS,
     BudgetExceededError,
     Counters,
     ExecutorError,
@@ -10,6 +11,8 @@ from device_agent.executor.executor import (
     ScheduleMismatchError,
     StepResult,
     check_schedule,
+    make_optimizer,
+    parameter_differences,
     plain_train_step,
     planned_counts,
 )
@@ -65,7 +68,10 @@ __all__ = [
     "TensorView",
     "check_flash_dir",
     "check_flash_space",
+    "OPTIMIZERS",
     "check_schedule",
+    "make_optimizer",
+    "parameter_differences",
     "plain_train_step",
     "planned_counts",
     "remove_stale_page_dirs",

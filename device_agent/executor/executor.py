@@ -731,7 +731,42 @@ def plain_train_step(
     return float(loss.detach())
 
 
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(name: str, parameters, lr: float | None = None) -> torch.optim.Optimizer:
+    """SGD (momentum 0.9, lr 0.01) or AdamW (lr 1e-3) over ``parameters``: the one choice of host and board."""
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr or 0.01, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr or 1e-3)
+    raise ValueError(f"optimizer: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def parameter_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> dict:
+    """Max absolute and relative (per tensor: max |a-b| / max |b|) differences of parameters and buffers."""
+    import math
+
+    max_abs = max_rel = 0.0
+    bitwise = True
+    worst = ""
+    pairs = list(zip(module_a.named_parameters(), module_b.named_parameters(), strict=True))
+    pairs += list(zip(module_a.named_buffers(), module_b.named_buffers(), strict=True))
+    for (name, a), (_, b) in pairs:
+        if torch.equal(a, b):
+            continue
+        bitwise = False
+        diff = float((a.detach().double() - b.detach().double()).abs().max())
+        scale = float(b.detach().double().abs().max())
+        rel = diff / scale if scale > 0 else math.inf
+        max_abs = max(max_abs, diff)
+        if rel > max_rel:
+            max_rel, worst = rel, name
+    return {"max_abs_param_diff": max_abs, "max_rel_param_diff": max_rel, "bitwise_equal": bitwise, "worst": worst}
+
+
 __all__ = [
+    "OPTIMIZERS",
     "BudgetExceededError",
     "Counters",
     "ExecutorError",
@@ -742,6 +777,8 @@ __all__ = [
     "ScheduleMismatchError",
     "StepResult",
     "check_schedule",
+    "make_optimizer",
+    "parameter_differences",
     "plain_train_step",
     "planned_counts",
 ]

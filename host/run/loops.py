@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from device_agent.executor.executor import OPTIMIZERS, parameter_differences
 from host.run.errors import InputError
 
-OPTIMIZERS = ("sgd", "adamw")
+__all__ = ["OPTIMIZERS", "RunResult", "StepProgress", "make_optimizer", "parameter_differences", "train_plain",
+           "train_scheduled"]
+
 
 
 @dataclass
@@ -47,14 +49,13 @@ class RunResult:
 
 
 def make_optimizer(name: str, parameters, lr: float | None = None):
-    """SGD (momentum 0.9, lr 0.01) or AdamW (lr 1e-3) over ``parameters``."""
-    import torch
+    """The board's optimizer choice (device_agent.executor.make_optimizer); a bad name is an InputError."""
+    from device_agent.executor import make_optimizer as board_optimizer
 
-    if name == "sgd":
-        return torch.optim.SGD(parameters, lr=0.01 if lr is None else lr, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=1e-3 if lr is None else lr)
-    raise InputError(f"optimizer: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    try:
+        return board_optimizer(name, parameters, lr)
+    except ValueError as error:
+        raise InputError(str(error)) from None
 
 
 def local_energy_meter(profile=None):
@@ -127,25 +128,3 @@ def train_plain(bundle, *, steps: int, optimizer_name: str, lr: float | None, se
         if progress is not None:
             progress(StepProgress("plain", step + 1, steps, loss, end.wall_s - start.wall_s))
     return result
-
-
-def parameter_differences(module_a, module_b) -> dict[str, Any]:
-    """Max absolute and relative (per tensor: max |a-b| / max |b|) differences of parameters and buffers."""
-    import torch
-
-    max_abs = max_rel = 0.0
-    bitwise = True
-    worst = ""
-    pairs = list(zip(module_a.named_parameters(), module_b.named_parameters(), strict=True))
-    pairs += list(zip(module_a.named_buffers(), module_b.named_buffers(), strict=True))
-    for (name, a), (_, b) in pairs:
-        if torch.equal(a, b):
-            continue
-        bitwise = False
-        diff = float((a.detach().double() - b.detach().double()).abs().max())
-        scale = float(b.detach().double().abs().max())
-        rel = diff / scale if scale > 0 else math.inf
-        max_abs = max(max_abs, diff)
-        if rel > max_rel:
-            max_rel, worst = rel, name
-    return {"max_abs_param_diff": max_abs, "max_rel_param_diff": max_rel, "bitwise_equal": bitwise, "worst": worst}

@@ -115,3 +115,27 @@ def postgres_server():
         if started:
             run(pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ coordinator
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory):
+    """A CA with the coordinator's certificate, nodes pi-1, pi-2, pi-3, pi-gone and pi-small, operator alice."""
+    from host.fleet import certs
+
+    root = tmp_path_factory.mktemp("certs") / "fleet"
+    certs.init_certs(root)
+    for name in ("pi-1", "pi-2", "pi-3", "pi-gone", "pi-small"):
+        certs.issue_cert(root, name, "node")
+    certs.issue_cert(root, "alice", "operator")
+    return root
+
+
+@pytest.fixture
+def coordinator(cert_dir, tmp_path):
+    """A coordinator started in this process on a free loopback port, with its own state dir."""
+    from host.fleet.server import start_coordinator
+
+    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state")
+    yield running
+    running.stop(grace_s=0)

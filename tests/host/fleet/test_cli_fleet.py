@@ -24,16 +24,6 @@ RUN_FIELDS = {"run_id", "agent", "status", "ram_budget_bytes", "schedule_fingerp
               "max_rel_param_diff"}
 
 
-@pytest.fixture(scope="module")
-def cert_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("certs") / "fleet"
-    certs.init_certs(root)
-    for name in ("pi-1", "pi-2"):
-        certs.issue_cert(root, name, "node")
-    certs.issue_cert(root, "alice", "operator")
-    return root
-
-
 class Served:
     """`poet serve` as a subprocess; stderr drained into ``lines`` so the pipe never fills."""
 

@@ -11,30 +11,12 @@ import pytest
 
 from device_agent import protos
 from host.fleet import certs
-from host.fleet.server import start_coordinator
 from tests.host.cli.helpers import POET, one_json_object, test_env
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
 fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
 TIMEOUT_S = 120
 MIB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def cert_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("certs") / "fleet"
-    certs.init_certs(root)
-    for name in ("pi-1", "pi-2"):
-        certs.issue_cert(root, name, "node")
-    certs.issue_cert(root, "alice", "operator")
-    return root
-
-
-@pytest.fixture
-def coordinator(cert_dir, tmp_path):
-    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state")
-    yield running
-    running.stop(grace_s=0)
 
 
 def register(cert_dir, port, name):

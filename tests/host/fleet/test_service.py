@@ -25,23 +25,6 @@ MIB = 1024 * 1024
 MODEL = "mlp"
 
 
-@pytest.fixture(scope="module")
-def cert_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("certs") / "fleet"
-    certs.init_certs(root)
-    for name in ("pi-1", "pi-2", "pi-3", "pi-gone", "pi-small"):
-        certs.issue_cert(root, name, "node")
-    certs.issue_cert(root, "alice", "operator")
-    return root
-
-
-@pytest.fixture
-def coordinator(cert_dir, tmp_path):
-    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state")
-    yield running
-    running.stop(grace_s=0)
-
-
 def _channel(cert_dir, name, port):
     return grpc.secure_channel(f"127.0.0.1:{port}", certs.channel_credentials(cert_dir / name))
 
