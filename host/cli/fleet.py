@@ -22,6 +22,7 @@ from host.cli.common import (
     learning_rate,
     positive_int,
     runtime_factor,
+    seconds,
     seed_int,
 )
 from host.cli.display import format_bytes
@@ -35,16 +36,6 @@ FINISHED = ("done", "failed", "does_not_fit")
 
 
 # ------------------------------------------------------------------------------------------ serve
-def _solve_time_limit(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
 def cmd_serve(args, console: Console) -> int:
     import logging
 
@@ -526,7 +517,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--state-dir", type=directory_path, default=DEFAULT_STATE_DIR, metavar="DIR",
                        help=f"model archives (models/SHA256.pt2), collected weights (results/RUN_ID.safetensors) "
                             f"and the default store (default: ./{DEFAULT_STATE_DIR})")
-    serve.add_argument("--solve-time-limit", type=_solve_time_limit, default=SOLVE_TIME_LIMIT_S, metavar="S",
+    serve.add_argument("--solve-time-limit", type=seconds, default=SOLVE_TIME_LIMIT_S, metavar="S",
                        help=f"seconds per distinct schedule; at the limit the best schedule found is used, reported "
                             f"with its proven gap (default {SOLVE_TIME_LIMIT_S:g})")
     serve.add_argument("--max-workers", type=positive_int, default=MAX_WORKERS, metavar="N",
