@@ -84,9 +84,7 @@ def _run_case(model: str, batch_size: int, input_shape: str | None, schedule_nam
         return None
     schedule = result.schedule
     events = EventStream(capacity=None)
-    optimizer = torch.optim.SGD(partition_parameters := [p for p in bundle.module.parameters() if p.requires_grad],
-                                lr=1e-3)
-    del partition_parameters
+    optimizer = torch.optim.SGD([p for p in bundle.module.parameters() if p.requires_grad], lr=1e-3)
     torch.manual_seed(0)
     with ScheduleExecutor(partition_from_traced(traced), schedule, flash_dir=flash_dir, events=events,
                           energy_meter=default_energy_meter()) as executor:

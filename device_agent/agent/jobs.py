@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from device_agent import protos
-from device_agent.agent.datasets import SYNTHETIC_DATASET, DatasetError, LocalDataset, SyntheticDataset
+from device_agent.agent.datasets import SYNTHETIC_DATASET, Batch, DatasetError, LocalDataset, SyntheticDataset
 from device_agent.agent.program import load_module, load_program
 from device_agent.executor import ScheduleExecutor, make_optimizer, parameter_differences, plain_train_step
 from device_agent.executor.telemetry import EventStream
@@ -307,7 +307,7 @@ class JobRunner:
                     pad = batch_size - real
                     x = np.concatenate([x, np.resize(x_all, (pad, *x_all.shape[1:]))])
                     y = np.concatenate([y, np.resize(y_all, pad)])
-                xt, yt = self._tensors(type("B", (), {"x": x, "y": y})(), grouping)
+                xt, yt = self._tensors(Batch(x, y, 0), grouping)
                 logits = _Capture(module, logits_node).run(xt, yt)
                 correct += int((logits[:real].argmax(dim=-1) == yt[:real]).sum())
             for buffer, saved in buffers:
