@@ -1,5 +1,7 @@
 """Real models all the way through: trace, price, solve, validate."""
 
+import pytest
+
 from host.costs import load_profile, price_graph
 from host.graph.resolve import resolve_model
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
@@ -15,6 +17,7 @@ def _solve_at(model: str, share: float, platform: str = "a72", time_limit_s: flo
     return priced, budget, result
 
 
+@pytest.mark.slow  # waits for a 20 s time limit; the residual CNN keeps a traced solve in the fast suite
 def test_hugging_face_bert_traces_and_solves():
     priced, budget, result = _solve_at("hf_bert", 0.6)
     assert priced.graph.size > 50
