@@ -21,6 +21,7 @@ one u64 size per storage, the storages' bytes, then CRC-32 u32 and ``END\\0``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -32,7 +33,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -205,23 +206,35 @@ def _remove_if_stale(path: str, *, staging: bool) -> StalePageDir | None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C and SIGTERM's Python handlers for the block; re-deliver what arrived right after.
+
+    A signal mask is not enough: the kernel may deliver a process signal to any thread (torch keeps a
+    pool) and the interpreter then runs the handler in the main thread between any two bytecodes. So in
+    the main thread the handlers themselves are swapped for ones that only record the signal.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only: nothing can land here
+        return
+    arrived: list[int] = []
+    watched = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda signum, _frame: arrived.append(signum)) for signum in watched}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            signal.raise_signal(signum)  # now handled as it would have been
+
+
 def _create_owned_directory(flash_dir: str) -> tuple[str, int]:
     """A new ``.poet-pages-*`` directory in ``flash_dir`` whose owner lock this process holds: (path, lock fd).
 
-    Ctrl-C and SIGTERM are held back meanwhile (delivered right after), so a signal handler's
-    exception cannot land between creating the directory and owning it.
+    Call it with interrupts deferred (:func:`_interrupts_deferred`), and hand the result to its owner
+    inside the same block, so a signal handler's exception cannot land between creating and owning it.
     """
-    blocked = {signal.SIGINT, signal.SIGTERM}
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if in_main_thread else None
-    try:
-        return _create_owned_directory_unmasked(flash_dir)
-    finally:
-        if previous is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _create_owned_directory_unmasked(flash_dir: str) -> tuple[str, int]:
     staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=flash_dir)
     fd = -1
     made = staging  # where the directory is now (after the rename: its final name)
@@ -371,7 +384,10 @@ class FlashPageStore:
             raise PageStoreError(f"the page store on {self.flash_dir!r} is closed")
         if self.directory is None:
             try:
-                directory, lock_fd = _create_owned_directory(self.flash_dir)
+                with _interrupts_deferred():  # the directory is owned (and finalized) before Ctrl-C lands
+                    directory, lock_fd = _create_owned_directory(self.flash_dir)
+                    self.directory, self._lock_fd = directory, lock_fd
+                    self._release = weakref.finalize(self, _remove_owned_directory, directory, lock_fd)
             except OSError as error:
                 if error.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise FlashFullError(
@@ -382,8 +398,6 @@ class FlashPageStore:
                     f"cannot create files in flash dir {self.flash_dir!r} ({error.strerror}): "
                     "fix its permissions or pass another --flash-dir"
                 ) from None
-            self.directory, self._lock_fd = directory, lock_fd
-            self._release = weakref.finalize(self, _remove_owned_directory, directory, lock_fd)
         return self.directory
 
     # ------------------------------------------------------------------ paging

@@ -213,3 +213,27 @@ def test_an_interrupted_removal_is_finished_by_the_next_close(tmp_path):
     store.close()  # what the exception path runs
     assert os.listdir(tmp_path) == []
     assert store.directory is None
+
+
+def test_a_ctrl_c_while_the_page_directory_is_made_lands_once_it_is_owned(tmp_path):
+    """The signal arrives mid-creation: the store already owns the directory when KeyboardInterrupt lands."""
+    store = FlashPageStore(tmp_path)
+    real_create = page_store._create_owned_directory
+
+    def create_with_a_ctrl_c_in_the_middle(flash_dir):
+        made = real_create(flash_dir)
+        signal.raise_signal(signal.SIGINT)  # as a Ctrl-C delivered to any thread would be, right now
+        assert store.directory is None  # the handler has not run yet: nothing owns the directory
+        return made
+
+    builder = EntryBuilder(0)
+    builder.add_named("x", torch.ones(4))
+    page_store._create_owned_directory = create_with_a_ctrl_c_in_the_middle
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.write(0, "x", builder.build())
+    finally:
+        page_store._create_owned_directory = real_create
+    assert store.directory is not None and os.path.isdir(store.directory)  # owned, so the store removes it
+    store.close()
+    assert os.listdir(tmp_path) == []
