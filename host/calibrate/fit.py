@@ -113,16 +113,22 @@ def calibrate_profile(
 # ------------------------------------------------------------------------------------------ fleet calibration
 # fit_profile fits what the paper's model lacks, from a board's telemetry of real runs (any schedules):
 #
-#   node compute s  = ops x overhead[direction] + flops / rate[op_class, direction]   (direction: fwd | bwd)
+#   node compute s  = node_overhead[direction] + ops x op_overhead[direction]
+#                     + flops / rate[op_class, direction] + traffic bytes / memory rate[direction]
+#                     (direction: fwd | bwd; traffic: the node's output plus its inputs' outputs)
 #   page transfer s = latency[direction] + bytes / throughput[direction]
 #   step s          = computes + transfers + param_bytes / optimizer_bytes_per_s
-#                     + instructions x instruction_overhead_s
+#                     + instructions x instruction_overhead_s + step_overhead_s
 #
-# Node and transfer terms are non-negative least squares on relative errors (each row divided by its
-# measured seconds: the targets are percentage errors). Where a meter measured the steps, the powers
-# per activity (compute, paging, the rest) are fitted the same way to the steps' energy.
+# Compute terms are non-negative least squares over (run, node) rows, each row's error taken relative to
+# its run's step compute time: what matters is the error of a step, so a node counts by its share of the
+# step (a relative error per node would let hundreds of tiny nodes outvote the few that take the time).
+# Transfer terms are least squares on each transfer's relative error. Where a meter measured the steps,
+# the powers per activity (compute, paging, the rest) are fitted to the steps' energy.
 
 FLOP_RATE_CAP_PER_S = 1e14  # a class whose time the fit puts wholly in the overhead gets this rate
+TRANSFER_RATE_CAP_BYTES_PER_S = 1e13  # a direction whose time the fit puts wholly in the latency gets this rate
+TRANSFER_SIZE_SPREAD = 1.5  # transfers whose sizes span less than this factor fit one scale factor, not two terms
 WARMUP_STEPS = 1  # a run's first steps are left out (allocator and cache warm-up)
 
 
@@ -151,14 +157,49 @@ def _check_graph(run: CalibrationRun) -> None:
             )
 
 
-def _nnls(rows: list[list[float]], targets: list[float]):
-    """Non-negative least squares on relative errors: min sum ((row . x) / t - 1)^2, x >= 0."""
+def _nnls(rows: list[list[float]], targets: list[float], scales: list[float] | None = None):
+    """Non-negative least squares on relative errors: min sum ((row . x - t) / scale)^2, x >= 0.
+
+    ``scales`` defaults to the targets themselves (each row's own relative error).
+    """
     import numpy as np
     from scipy.optimize import nnls
 
-    a = np.asarray(rows, dtype=np.float64) / np.asarray(targets, dtype=np.float64)[:, None]
-    solution, _ = nnls(a, np.ones(len(targets)), maxiter=50 * a.shape[1] + 100)
-    return solution
+    scale = np.asarray(targets if scales is None else scales, dtype=np.float64)
+    a = np.asarray(rows, dtype=np.float64) / scale[:, None]
+    b = np.asarray(targets, dtype=np.float64) / scale
+    column_norms = np.linalg.norm(a, axis=0)  # columns span FLOPs to counts: equilibrate for the solver
+    column_norms[column_norms == 0] = 1.0
+    solution, _ = nnls(a / column_norms, b, maxiter=50 * a.shape[1] + 100)
+    return solution / column_norms
+
+
+def _fit_transfers(profile: PlatformProfile, kind: str, observed: list[tuple[float, float]]) -> dict[str, float]:
+    """Latency and throughput of one transfer direction from (bytes, seconds) observations.
+
+    Transfers of (nearly) one size cannot tell latency from throughput apart: then both of ``profile``'s
+    (the board's micro-benchmarks) are scaled by one factor, measured over predicted seconds.
+    """
+    latency_s = getattr(profile, f"{kind}_latency_s")
+    throughput = getattr(profile, f"{kind}_throughput_bytes_per_s")
+    sizes = [b for b, _ in observed]
+    if len(observed) < 2 or max(sizes) < TRANSFER_SIZE_SPREAD * max(min(sizes), 1.0):
+        factor = sum(s for _, s in observed) / sum(latency_s + b / throughput for b in sizes)
+        return {f"{kind}_latency_s": latency_s * factor, f"{kind}_throughput_bytes_per_s": throughput / factor}
+    fitted_latency_s, inverse = _nnls([[1.0, b] for b in sizes], [s for _, s in observed])
+    return {f"{kind}_latency_s": float(fitted_latency_s),
+            f"{kind}_throughput_bytes_per_s": float(1.0 / inverse) if inverse > 1.0 / TRANSFER_RATE_CAP_BYTES_PER_S
+            else TRANSFER_RATE_CAP_BYTES_PER_S}
+
+
+def compute_features(node, traffic_bytes: float) -> dict[tuple[str, str], float]:
+    """A node compute's terms in the fitted model: (term, direction) -> its multiplier."""
+    direction = "bwd" if node.kind == "bwd" else "fwd"
+    features = {("node", direction): 1.0, ("op", direction): float(node.op_count),
+                ("bytes", direction): traffic_bytes}
+    if node.flops > 0:
+        features[(node.op_class, direction)] = float(node.flops)
+    return features
 
 
 def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, note: str = "",
@@ -166,36 +207,38 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     """``profile`` with compute rates per op class and direction, node and instruction overheads, paging
     costs per direction, the optimizer's throughput and (with a meter) powers fitted to ``runs``."""
     note = note or f"fitted to the telemetry of {len(runs)} run(s)"
-    samples: list[tuple[str, str, float, float, int]] = []  # (direction, op_class, flops, median s, ops)
+    from host.costs.pricing import node_traffic_bytes
+
+    samples: list[tuple[dict, float, float]] = []  # (features, median node seconds, the run's step compute s)
     transfers = {"page_in": [], "page_out": []}  # (bytes, seconds)
     optimizer_rates: list[float] = []
-    rest_rows: list[list[float]] = []  # per step: [1, instructions] -> seconds outside instructions and optimizer
-    rest_targets: list[float] = []
     frees = {"ram": [], "flash": []}
     for run in runs:
         _check_graph(run)
         graph = run.graph
+        traffic = node_traffic_bytes(graph)
         durations: dict[int, list[float]] = {}
         per_step_s: dict[int, float] = {}
-        per_step_count: dict[int, int] = {}
+        per_step_compute_s: dict[int, float] = {}
         for event in run.instructions:
             step = int(event.get("step", 0))
             if step <= warmup_steps:
                 continue
             kind, seconds = _kind(event), float(event.get("duration_s", 0.0))
             per_step_s[step] = per_step_s.get(step, 0.0) + seconds
-            per_step_count[step] = per_step_count.get(step, 0) + 1
             if kind == "compute" and seconds > 0:
                 durations.setdefault(int(event["node"]), []).append(seconds)
+                per_step_compute_s[step] = per_step_compute_s.get(step, 0.0) + seconds
             elif kind in transfers and seconds > 0:
                 transfers[kind].append((float(event.get("bytes_moved", 0)), seconds))
             elif kind == "free":
                 location = str(event.get("location", "ram")).lower().removeprefix("location_")
                 frees["flash" if location == "flash" else "ram"].append(seconds)
-        for index, values in durations.items():
-            node = graph.nodes[index]
-            direction = "bwd" if node.kind == "bwd" else "fwd"
-            samples.append((direction, node.op_class, float(node.flops), statistics.median(values), node.op_count))
+        if per_step_compute_s:
+            step_compute_s = statistics.median(per_step_compute_s.values())
+            for index, values in durations.items():
+                samples.append((compute_features(graph.nodes[index], float(traffic[index])),
+                                statistics.median(values), step_compute_s))
         for step_event in run.steps:
             step = int(step_event.get("step", 0))
             if step <= warmup_steps or step not in per_step_s:
@@ -203,70 +246,100 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
             optimizer_s = float(step_event.get("optimizer_s", 0.0))
             if optimizer_s > 0 and graph.param_bytes > 0:
                 optimizer_rates.append(graph.param_bytes / optimizer_s)
-            rest = float(step_event.get("duration_s", 0.0)) - per_step_s[step] - optimizer_s
-            if rest > 0:
-                rest_rows.append([1.0, float(per_step_count[step])])
-                rest_targets.append(rest)
     if not samples:
         raise CalibrationError(f"no measured computes after the first {warmup_steps} step(s): train more steps")
     changes: dict = {"path": None}
     sources = dict(profile.sources)
 
-    # compute: columns are the two overheads, then 1/rate per (direction, op_class) with flops
-    columns = [("overhead", "fwd"), ("overhead", "bwd")]
-    columns += sorted({(d, c) for d, c, flops, _, _ in samples if flops > 0})
+    # compute: one column per feature (overheads, 1/rate per (direction, op_class), 1/memory rate)
+    columns = sorted({key for features, _, _ in samples for key in features})
     index = {key: i for i, key in enumerate(columns)}
-    rows, targets = [], []
-    for direction, op_class, flops, seconds, op_count in samples:
+    rows, targets, scales = [], [], []
+    for features, seconds, step_compute_s in samples:
         row = [0.0] * len(columns)
-        row[index[("overhead", direction)]] = float(op_count)  # a dispatch cost per aten op
-        if flops > 0:
-            row[index[(direction, op_class)]] = flops
+        for key, value in features.items():
+            row[index[key]] = value
         rows.append(row)
         targets.append(seconds)
-    x = _nnls(rows, targets)
+        scales.append(step_compute_s)
+    x = _nnls(rows, targets, scales)
     rates = {"fwd": dict(profile.flops_per_s), "bwd": dict(profile.bwd_flops_per_s or {})}
-    for (direction, op_class), i in index.items():
-        if direction == "overhead":
-            continue
-        rates[direction][op_class] = 1.0 / x[i] if x[i] > 1.0 / FLOP_RATE_CAP_PER_S else FLOP_RATE_CAP_PER_S
-        field = "flops_per_s" if direction == "fwd" else "bwd_flops_per_s"
-        sources[f"compute.{field}.{op_class}"] = f"{note}: least squares on relative error"
+    for (term, direction), i in index.items():
+        if term == "node":
+            changes[f"{direction}_node_overhead_s"] = float(x[i])
+        elif term == "op":
+            changes[f"{direction}_op_overhead_s"] = float(x[i])
+        elif term == "bytes":
+            changes[f"{direction}_memory_bytes_per_s"] = 1.0 / float(x[i]) if x[i] > 0 else None
+        else:
+            op_class = term
+            rates[direction][op_class] = 1.0 / x[i] if x[i] > 1.0 / FLOP_RATE_CAP_PER_S else FLOP_RATE_CAP_PER_S
+            field = "flops_per_s" if direction == "fwd" else "bwd_flops_per_s"
+            sources[f"compute.{field}.{op_class}"] = f"{note}: least squares on step-relative error"
     for direction in ("fwd", "bwd"):  # classes never measured in a direction take that direction's median rate
-        measured = [rates[direction][c] for d, c in index if d == direction]
+        measured = [rates[direction][c] for c, d in index if d == direction and c not in ("node", "op", "bytes")]
         if measured:
             rates[direction].setdefault(DEFAULT_OP_CLASS, statistics.median(measured))
     changes["flops_per_s"] = rates["fwd"]
     changes["bwd_flops_per_s"] = rates["bwd"] or None
-    changes["fwd_node_overhead_s"] = float(x[index[("overhead", "fwd")]])
-    changes["bwd_node_overhead_s"] = float(x[index[("overhead", "bwd")]])
-    sources["compute.node_overhead_s"] = f"{note}: least squares on relative error"
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s"):
+        sources[f"compute.{key}"] = f"{note}: least squares on step-relative error"
 
     for kind, observed in transfers.items():
-        if len(observed) < 2:
+        if not observed:
             continue
-        latency_s, inverse = _nnls([[1.0, b] for b, _ in observed], [s for _, s in observed])
-        changes[f"{kind}_latency_s"] = float(latency_s)
-        if inverse > 0:
-            changes[f"{kind}_throughput_bytes_per_s"] = float(1.0 / inverse)
+        changes.update(_fit_transfers(profile, kind, observed))
         for key in ("latency_s", "throughput_bytes_per_s"):
             sources[f"{kind}.{key}"] = f"{note}: least squares over {len(observed)} transfers"
     if optimizer_rates:
         changes["optimizer_bytes_per_s"] = statistics.median(optimizer_rates)
         sources["step.optimizer_bytes_per_s"] = f"{note}: parameter bytes / median optimizer seconds"
-    if len(rest_rows) >= 2:
-        step_overhead_s, per_instruction_s = _nnls(rest_rows, rest_targets)
-        changes["step_overhead_s"] = float(step_overhead_s)
-        changes["instruction_overhead_s"] = float(per_instruction_s)
-        for key in ("step_overhead_s", "instruction_overhead_s"):
-            sources[f"step.{key}"] = f"{note}: step time outside instructions and optimizer, least squares"
     for location, values in frees.items():
         if values:
             changes[f"free_{location}_s"] = statistics.median(values)
             sources[f"step.free_{location}_s"] = f"{note}: median of {len(values)} frees"
-    fitted = dataclasses.replace(profile, **changes, sources=sources)
+    fitted = dataclasses.replace(profile, **changes, sources=sources, step_overhead_s=0.0, instruction_overhead_s=0.0)
+    fitted = _fit_step_remainder(fitted, runs, note, warmup_steps)
     fitted = _fit_powers(fitted, runs, note, warmup_steps)
     return dataclasses.replace(fitted, description=f"{profile.description}; {note}")
+
+
+def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: str,
+                        warmup_steps: int) -> PlatformProfile:
+    """What a step takes beyond the priced computes, transfers, frees and optimizer, as the executor's
+    overheads per step and per instruction, and the paging's cost outside its transfers (the kernel's
+    write-back, caches refilled after a page-in) per paged byte, which is added to both directions'
+    transfer costs so the solver sees it. Least squares on each step's relative error."""
+    from host.costs.pricing import price_graph
+
+    rows, targets, scales = [], [], []
+    for run in runs:
+        instructions = run.schedule.instructions
+        transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in instructions
+                             if i.kind in ("page_in", "page_out"))
+        priced_s, _ = predict_step(profile, run.graph, run.schedule, price_graph(run.graph, profile))
+        for step in run.steps:
+            duration_s = float(step.get("duration_s", 0.0))
+            if int(step.get("step", 0)) <= warmup_steps or duration_s <= 0:
+                continue
+            rows.append([1.0, float(len(instructions)), float(transfer_bytes)])
+            targets.append(duration_s - priced_s)
+            scales.append(duration_s)
+    if len(rows) < 2:
+        return profile
+    step_overhead_s, instruction_overhead_s, paging_s_per_byte = _nnls(rows, targets, scales)
+    sources = dict(profile.sources)
+    changes = {"step_overhead_s": float(step_overhead_s), "instruction_overhead_s": float(instruction_overhead_s)}
+    for key in ("step_overhead_s", "instruction_overhead_s"):
+        sources[f"step.{key}"] = f"{note}: step time beyond the priced instructions, least squares"
+    if paging_s_per_byte > 0:
+        for kind in ("page_in", "page_out"):
+            throughput = getattr(profile, f"{kind}_throughput_bytes_per_s")
+            changes[f"{kind}_throughput_bytes_per_s"] = 1.0 / (1.0 / throughput + float(paging_s_per_byte))
+            sources[f"{kind}.throughput_bytes_per_s"] = (
+                f"{note}: transfers' least squares, plus {paging_s_per_byte * 1e9:.3g} s/GB the steps took "
+                "beyond the transfers per paged byte")
+    return dataclasses.replace(profile, **changes, sources=sources)
 
 
 def _measured_steps(run: CalibrationRun, warmup_steps: int) -> list[dict]:
@@ -306,7 +379,7 @@ def _fit_powers(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: 
     )
 
 
-def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tuple[float, float]:
+def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule, priced=None) -> tuple[float, float]:
     """(seconds, joules) of one training step of ``graph`` under ``schedule``, priced on ``profile``.
 
     The solver's runtime covers computes and transfers (what a schedule changes); a step also runs the
@@ -314,7 +387,7 @@ def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tu
     """
     from host.costs.pricing import price_graph
 
-    priced = price_graph(graph, profile)
+    priced = priced if priced is not None else price_graph(graph, profile)
     seconds = joules = other_s = 0.0
     for instruction in schedule.instructions:
         n = instruction.node

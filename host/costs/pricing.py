@@ -3,7 +3,8 @@
 Per node i (power_computation.py of POET):
 
 * compute_s  = flops / flops_per_s[op_class]   (falls back to flops_per_s["default"]); a calibrated
-  profile prices backward nodes at their own rates and adds a fixed overhead per op the node runs
+  profile prices backward nodes at their own rates, and adds a fixed overhead per node and per aten op
+  it runs, and its tensor traffic (output + input bytes) over a memory rate
 * compute_j  = flops / (1 / energy_per_flop_j) when the profile has energy_per_flop_j (POET's
   ``flop / FLOPS_PER_WATT``; dividing by the FLOP-per-joule figure, rather than multiplying by its
   reciprocal, reproduces the paper's floats bit for bit), else compute_s x compute_power_w
@@ -23,6 +24,12 @@ from host.graph.training_graph import TrainingGraph
 COST_MODELS: tuple[str, ...] = ("analytic",)
 
 
+def node_traffic_bytes(graph: TrainingGraph) -> np.ndarray:
+    """Per node: the bytes its compute reads and writes, its output plus its dependencies' outputs."""
+    return np.array([node.output_bytes + sum(graph.nodes[d].output_bytes for d in node.deps)
+                     for node in graph.nodes], dtype=np.float64)
+
+
 def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str = "analytic") -> PricedGraph:
     """Per-node compute / page-in / page-out seconds and joules of ``graph`` on ``profile``."""
     if cost_model not in COST_MODELS:
@@ -31,10 +38,12 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
     output_bytes = np.array([node.output_bytes for node in graph.nodes], dtype=np.float64)
     flops_per_s = np.array([profile.flops_per_s_for(node.op_class, node.kind) for node in graph.nodes],
                            dtype=np.float64)
-    overhead_s = np.array([profile.node_overhead_s_for(node.kind) * node.op_count for node in graph.nodes],
+    overhead_s = np.array([profile.node_overhead_s_for(node.kind, node.op_count) for node in graph.nodes],
                           dtype=np.float64)
+    memory_s_per_byte = np.array([1.0 / rate if (rate := profile.memory_bytes_per_s_for(node.kind)) else 0.0
+                                  for node in graph.nodes], dtype=np.float64)
 
-    compute_s = overhead_s + flops / flops_per_s
+    compute_s = overhead_s + flops / flops_per_s + node_traffic_bytes(graph) * memory_s_per_byte
     if profile.energy_per_flop_j is not None:
         compute_j = flops / (1.0 / profile.energy_per_flop_j)
     else:

@@ -22,6 +22,18 @@ Schema (version 1), units in every key::
       "energy_source": "modelled:poet2022-constants",
       "sources": {"compute.flops_per_s.default": "...", ...}   # optional: dotted field -> provenance
     }
+
+Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profile prices as the paper does::
+
+    "compute": {
+      "bwd_flops_per_s": {"matmul": ...},           # backward nodes' rates (else the forward ones)
+      "node_overhead_s": {"fwd": ..., "bwd": ...},  # seconds per node compute (the executor's call)
+      "op_overhead_s": {"fwd": ..., "bwd": ...},    # seconds per aten op a node runs (dispatch)
+      "memory_bytes_per_s": {"fwd": ..., "bwd": ...}  # a node's output + input bytes at this rate
+    },
+    "step": {"optimizer_bytes_per_s": ..., "instruction_overhead_s": ..., "step_overhead_s": ...,
+             "free_ram_s": ..., "free_flash_s": ...},
+    "idle_power_w": ...                             # drawn outside computes and transfers (metered)
 """
 
 from __future__ import annotations
@@ -74,8 +86,12 @@ class PlatformProfile:
     # Optional, fitted from telemetry (host/calibrate): what the paper's model lacks. Absent, a profile
     # prices as the paper does (backward at forward rates, no per-node or per-step overheads).
     bwd_flops_per_s: dict[str, float] | None = None  # op_class -> FLOP/s of backward nodes
-    fwd_node_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
-    bwd_node_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
+    fwd_node_overhead_s: float = 0.0  # fixed seconds per fwd/loss compute (the executor's call of a node)
+    bwd_node_overhead_s: float = 0.0  # fixed seconds per bwd compute
+    fwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
+    bwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
+    fwd_memory_bytes_per_s: float | None = None  # a fwd/loss compute's output and input bytes move at this rate
+    bwd_memory_bytes_per_s: float | None = None  # the same for a bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
     instruction_overhead_s: float = 0.0  # executor seconds per instruction outside computes and transfers
     step_overhead_s: float = 0.0  # executor seconds per step outside instructions and the optimizer
@@ -90,8 +106,15 @@ class PlatformProfile:
             return rates.get(op_class, rates.get(DEFAULT_OP_CLASS, self.flops_per_s_for(op_class)))
         return self.flops_per_s.get(op_class, self.flops_per_s[DEFAULT_OP_CLASS])
 
-    def node_overhead_s_for(self, kind: str) -> float:
-        return self.bwd_node_overhead_s if kind == "bwd" else self.fwd_node_overhead_s
+    def node_overhead_s_for(self, kind: str, op_count: int = 1) -> float:
+        """Fixed seconds of one compute of a ``kind`` node running ``op_count`` aten ops."""
+        if kind == "bwd":
+            return self.bwd_node_overhead_s + op_count * self.bwd_op_overhead_s
+        return self.fwd_node_overhead_s + op_count * self.fwd_op_overhead_s
+
+    def memory_bytes_per_s_for(self, kind: str) -> float | None:
+        """Rate at which a ``kind`` node's tensors move through memory; None: not priced."""
+        return self.bwd_memory_bytes_per_s if kind == "bwd" else self.fwd_memory_bytes_per_s
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (see the module docstring); ``path`` is not part of it."""
@@ -103,6 +126,12 @@ class PlatformProfile:
             compute["bwd_flops_per_s"] = dict(self.bwd_flops_per_s)
         if self.fwd_node_overhead_s or self.bwd_node_overhead_s:
             compute["node_overhead_s"] = {"fwd": self.fwd_node_overhead_s, "bwd": self.bwd_node_overhead_s}
+        if self.fwd_op_overhead_s or self.bwd_op_overhead_s:
+            compute["op_overhead_s"] = {"fwd": self.fwd_op_overhead_s, "bwd": self.bwd_op_overhead_s}
+        rates = {kind: rate for kind, rate in (("fwd", self.fwd_memory_bytes_per_s),
+                                               ("bwd", self.bwd_memory_bytes_per_s)) if rate is not None}
+        if rates:
+            compute["memory_bytes_per_s"] = rates
         step = {}
         if self.optimizer_bytes_per_s is not None:
             step["optimizer_bytes_per_s"] = self.optimizer_bytes_per_s
@@ -155,7 +184,8 @@ _TOP_KEYS = (
     "idle_power_w",
     "sources",
 )
-_COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s")
+_COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s",
+                 "op_overhead_s", "memory_bytes_per_s")
 _STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
@@ -185,7 +215,8 @@ def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CL
     paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
     paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
     paths += ["compute.bwd_flops_per_s", *(f"compute.bwd_flops_per_s.{c}" for c in flops_classes)]
-    paths += ["compute.node_overhead_s", "compute.node_overhead_s.fwd", "compute.node_overhead_s.bwd"]
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s"):
+        paths += [f"compute.{key}", f"compute.{key}.fwd", f"compute.{key}.bwd"]
     paths += ["step", *(f"step.{key}" for key in _STEP_KEYS), "idle_power_w"]
     return tuple(paths)
 
@@ -268,9 +299,14 @@ class _Validator:
                 op_class: self._number(rate, f"compute.bwd_flops_per_s.{op_class}", "FLOP per second", positive=True)
                 for op_class, rate in bwd_rates.items()
             }
-        overheads = self._object(compute.get("node_overhead_s", {}), "compute.node_overhead_s", ("fwd", "bwd"), ())
-        node_overhead_s = {kind: self._number(value, f"compute.node_overhead_s.{kind}", "seconds", positive=False)
-                           for kind, value in overheads.items()}
+        def per_direction(key: str, unit: str, positive: bool) -> dict[str, float]:
+            values = self._object(compute.get(key, {}), f"compute.{key}", ("fwd", "bwd"), ())
+            return {kind: self._number(value, f"compute.{key}.{kind}", unit, positive=positive)
+                    for kind, value in values.items()}
+
+        node_overhead_s = per_direction("node_overhead_s", "seconds", False)
+        op_overhead_s = per_direction("op_overhead_s", "seconds", False)
+        memory_bytes_per_s = per_direction("memory_bytes_per_s", "bytes per second", True)
         step = self._object(data.get("step", {}), "step", _STEP_KEYS, ())
         optimizer_bytes_per_s = (
             self._number(step["optimizer_bytes_per_s"], "step.optimizer_bytes_per_s", "bytes per second", positive=True)
@@ -322,6 +358,10 @@ class _Validator:
             bwd_flops_per_s=bwd_flops_per_s,
             fwd_node_overhead_s=node_overhead_s.get("fwd", 0.0),
             bwd_node_overhead_s=node_overhead_s.get("bwd", 0.0),
+            fwd_op_overhead_s=op_overhead_s.get("fwd", 0.0),
+            bwd_op_overhead_s=op_overhead_s.get("bwd", 0.0),
+            fwd_memory_bytes_per_s=memory_bytes_per_s.get("fwd"),
+            bwd_memory_bytes_per_s=memory_bytes_per_s.get("bwd"),
             optimizer_bytes_per_s=optimizer_bytes_per_s,
             **step_seconds,
             idle_power_w=idle_power_w,

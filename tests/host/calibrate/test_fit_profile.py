@@ -15,15 +15,25 @@ from host.solver.stage_plan import make_schedule
 
 
 def _graph():
+    """A chain of matmul + activation layers of varied sizes and op counts: enough distinct nodes that every
+    term of the fitted model (per node, per op, per byte, per FLOP of each class) is identifiable."""
     b = GraphBuilder("chain")
-    b.add("input", "fwd", 0, 0, [], "input")
-    b.add("fc1", "fwd", 40_000, 4_000_000, ["input"], "matmul")
-    b.add("relu", "fwd", 40_000, 10_000, ["fc1"], "elementwise")
-    b.add("fc2", "fwd", 4_000, 2_000_000, ["relu"], "matmul")
-    b.add("loss", "loss", 4, 1_000, ["fc2"], "loss")
-    b.add("bwd:fc2", "bwd", 40_000, 4_000_000, ["loss", "relu"], "matmul", forward_of="fc2")
-    b.add("bwd:relu", "bwd", 40_000, 10_000, ["bwd:fc2", "relu"], "elementwise", forward_of="relu")
-    b.add("bwd:fc1", "bwd", 0, 8_000_000, ["bwd:relu", "input"], "matmul", forward_of="fc1")
+    b.add("input", "fwd", 8_000, 0, [], "input")
+    layers = [(40_000, 4_000_000, 1), (20_000, 9_000_000, 2), (60_000, 3_000_000, 1), (10_000, 7_000_000, 3)]
+    previous = "input"
+    for i, (out_bytes, flops, ops) in enumerate(layers):
+        b.add(f"fc{i}", "fwd", out_bytes, flops, [previous], "matmul", op_count=ops)
+        b.add(f"act{i}", "fwd", out_bytes, out_bytes // 4 * (i + 1), [f"fc{i}"], "elementwise", op_count=i + 1)
+        previous = f"act{i}"
+    b.add("loss", "loss", 4, 1_000, [previous], "loss", op_count=3)
+    upstream = "loss"
+    for i in reversed(range(len(layers))):
+        out_bytes, flops, ops = layers[i]
+        b.add(f"bwd:act{i}", "bwd", out_bytes, out_bytes // 2 * (i + 1), [upstream, f"act{i}"], "elementwise",
+              forward_of=f"act{i}", op_count=i + 1)
+        b.add(f"bwd:fc{i}", "bwd", 8_000 if i == 0 else layers[i - 1][0], 2 * flops,
+              [f"bwd:act{i}", "input" if i == 0 else f"act{i - 1}"], "matmul", forward_of=f"fc{i}", op_count=ops)
+        upstream = f"bwd:fc{i}"
     return b.build(param_bytes=800_000, param_grad_bytes=800_000, optimizer_state_bytes=0, other_fixed_bytes=0)
 
 
@@ -33,21 +43,35 @@ def _true_profile() -> PlatformProfile:
     return dataclasses.replace(
         base, flops_per_s={"default": 1e9, "matmul": 4e9, "elementwise": 5e8, "loss": 1e9},
         bwd_flops_per_s={"default": 5e8, "matmul": 2e9, "elementwise": 2.5e8},
-        fwd_node_overhead_s=2e-4, bwd_node_overhead_s=3e-4, page_out_latency_s=3e-3,
+        fwd_node_overhead_s=2e-4, bwd_node_overhead_s=3e-4, fwd_op_overhead_s=3e-5, bwd_op_overhead_s=4e-5,
+        fwd_memory_bytes_per_s=5e9, bwd_memory_bytes_per_s=3e9, page_out_latency_s=3e-3,
         page_out_throughput_bytes_per_s=5e7, page_in_latency_s=1e-3, page_in_throughput_bytes_per_s=2e8,
         optimizer_bytes_per_s=4e8, instruction_overhead_s=5e-5, energy_per_flop_j=None,
     )
 
 
 def _schedules(graph):
-    keep_all = [Instruction("compute", i) for i in range(graph.size)]
-    recompute = [Instruction("compute", i) for i in range(5)] + [
-        Instruction("free", 2), Instruction("compute", 5), Instruction("compute", 2), Instruction("compute", 6),
-        Instruction("compute", 7)]
-    paging = [Instruction("compute", i) for i in range(3)] + [
-        Instruction("page_out", 1), Instruction("free", 1), Instruction("compute", 3), Instruction("compute", 4),
-        Instruction("compute", 5), Instruction("compute", 6), Instruction("page_in", 1), Instruction("compute", 7),
-        Instruction("free", 1, "flash")]
+    """keep-all; act1 freed after its use and recomputed for its backward; fc0 paged out and back in."""
+    names = {node.name: node.index for node in graph.nodes}
+    order = list(range(graph.size))
+    keep_all = [Instruction("compute", i) for i in order]
+    act1, fc2, bwd_act1 = names["act1"], names["fc2"], names["bwd:act1"]
+    recompute = []
+    for i in order:
+        if i == bwd_act1:
+            recompute.append(Instruction("compute", act1))
+        recompute.append(Instruction("compute", i))
+        if i == fc2:
+            recompute.append(Instruction("free", act1))
+    fc0, act0, bwd_act0 = names["fc0"], names["act0"], names["bwd:act0"]
+    paging = []
+    for i in order:
+        if i == bwd_act0:
+            paging.append(Instruction("page_in", act0))
+        paging.append(Instruction("compute", i))
+        if i == fc0 + 2:  # fc1, after act0's last forward use
+            paging += [Instruction("page_out", act0), Instruction("free", act0)]
+    paging.append(Instruction("free", act0, "flash"))
     return [make_schedule(graph, instructions) for instructions in (keep_all, recompute, paging)]
 
 
@@ -91,6 +115,8 @@ def test_the_fit_recovers_a_board_that_the_papers_model_cannot_describe():
     assert fitted.bwd_flops_per_s["matmul"] == pytest.approx(2e9, rel=1e-3)
     assert fitted.flops_per_s["matmul"] == pytest.approx(4e9, rel=1e-3)
     assert fitted.bwd_node_overhead_s == pytest.approx(3e-4, rel=1e-3)
+    assert fitted.fwd_op_overhead_s == pytest.approx(3e-5, rel=1e-3)
+    assert fitted.bwd_memory_bytes_per_s == pytest.approx(3e9, rel=1e-3)
     assert fitted.optimizer_bytes_per_s == pytest.approx(4e8, rel=1e-6)
     assert fitted.instruction_overhead_s == pytest.approx(5e-5, rel=1e-6)
     assert "test" in fitted.sources["compute.bwd_flops_per_s.matmul"]
@@ -106,8 +132,10 @@ def test_backward_rates_change_the_price_of_a_recompute_only_plan():
     _, recompute, _ = _schedules(graph)
     assert predict_step(truth, graph, recompute)[0] > predict_step(paper_like, graph, recompute)[0]
     priced = price_graph(graph, truth)
-    assert priced.compute_s[7] == pytest.approx(3e-4 + 8e6 / 2e9)
-    assert priced.compute_s[1] == pytest.approx(2e-4 + 4e6 / 4e9)
+    names = {node.name: node.index for node in graph.nodes}
+    # fixed cost per node and per op, FLOPs at the direction's rate, output + input bytes at its memory rate
+    assert priced.compute_s[names["bwd:fc0"]] == pytest.approx(3e-4 + 4e-5 + 8e6 / 2e9 + (8_000 + 40_000 + 8_000) / 3e9)
+    assert priced.compute_s[names["fc0"]] == pytest.approx(2e-4 + 3e-5 + 4e6 / 4e9 + (40_000 + 8_000) / 5e9)
 
 
 def test_metered_steps_fit_powers_per_activity():
@@ -128,7 +156,8 @@ def test_old_profile_files_load_and_price_as_before():
     assert "step" not in profile.to_dict() and "idle_power_w" not in profile.to_dict()
     graph = _graph()
     priced = price_graph(graph, profile)
-    assert priced.compute_s[7] == pytest.approx(8e6 / profile.flops_per_s_for("matmul"))
+    bwd_fc0 = next(node.index for node in graph.nodes if node.name == "bwd:fc0")
+    assert priced.compute_s[bwd_fc0] == pytest.approx(8e6 / profile.flops_per_s_for("matmul"))
 
 
 def test_events_of_another_graph_are_refused():
@@ -139,14 +168,16 @@ def test_events_of_another_graph_are_refused():
         fit_profile(load_profile("a72"), [run])
 
 
-def test_a_calibrated_node_overhead_is_charged_per_op_the_node_runs():
+def test_a_calibrated_op_overhead_is_charged_per_op_the_node_runs_and_the_node_overhead_once():
     b = GraphBuilder("ops")
     b.add("input", "fwd", 0, 0, [], "input")
     b.add("one", "fwd", 4, 1_000, ["input"], "elementwise", op_count=1)
     b.add("many", "fwd", 4, 1_000, ["one"], "elementwise", op_count=12)
     graph = b.build(param_bytes=0, param_grad_bytes=0, optimizer_state_bytes=0, other_fixed_bytes=0)
-    profile = dataclasses.replace(_true_profile(), fwd_node_overhead_s=1e-5)
+    profile = dataclasses.replace(_true_profile(), fwd_node_overhead_s=2e-4, fwd_op_overhead_s=1e-5,
+                                  fwd_memory_bytes_per_s=None)
     priced = price_graph(graph, profile)
-    assert priced.compute_s[2] - priced.compute_s[1] == pytest.approx(11 * 1e-5)
+    assert priced.compute_s[2] - priced.compute_s[1] == pytest.approx(11 * 1e-5)  # the node's fixed cost once
+    assert priced.compute_s[1] == pytest.approx(2e-4 + 1e-5 + 1_000 / 5e8)
     again = type(graph).from_dict(graph.to_dict())
     assert [n.op_count for n in again.nodes] == [1, 1, 12]
