@@ -408,11 +408,16 @@ class Agent:
 
     def _get_runner(self):
         if self._runner is None:
+            from device_agent.agent.facts import cgroup_memory_limit
             from device_agent.agent.jobs import JobRunner
+            from device_agent.executor.allocator import keep_freed_memory
 
+            under_cgroup = cgroup_memory_limit()[0] is not None
+            if not under_cgroup:
+                keep_freed_memory()  # process-wide; the same policy as `poet train` (host/run/train.py)
             self._runner = JobRunner(flash_dir=Path(self.config.flash_dir), data_dir=Path(self.config.data_dir),
                                      state_dir=Path(self.config.state_dir), platform=self.config.platform,
-                                     log=self.log)
+                                     log=self.log, return_freed_memory=under_cgroup)
         return self._runner
 
     def _execute(self, job, cancel: threading.Event):

@@ -17,6 +17,7 @@ from host.cli.common import (
     EXIT_OK,
     CliError,
     Console,
+    add_ablation_args,
     add_json_arg,
     directory_path,
     learning_rate,
@@ -207,7 +208,7 @@ def cmd_run(args, console: Console, op: Operator) -> int:
         runtime_budget=args.runtime_budget or 0.0, agents=agents, all_agents=args.all,
         kind=serde.JOB_KIND_TO_PB[args.kind], optimizer=serde.OPTIMIZER_TO_PB[args.optimizer], lr=args.lr or 0.0,
         collect=serde.COLLECT_TO_PB[args.collect], seed=args.seed, batch_size=args.batch_size or 0,
-        profile_version=args.profile_version or 0,
+        profile_version=args.profile_version or 0, no_paging=args.no_paging, no_remat=args.no_remat,
     )
     if args.ram_budget is not None:
         request.ram_budget.CopyFrom(args.ram_budget)
@@ -580,6 +581,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="solve on stored profile version N of each board (see `poet profiles list`); refused when a "
                           "board has no such version (default: each board's latest version, else its shipped "
                           "platform, else this machine's)")
+    add_ablation_args(run)
     run.add_argument("--wait", action="store_true",
                      help="show progress per board on stderr until every run is done, failed or does_not_fit, then "
                           "a table (budget, recomputes, page-ins/outs, predicted vs measured step time and peak RAM, "
@@ -637,10 +639,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="fit a board's profile to its own measurements (a new profile version)",
         description="The coordinator runs, on the board: a PROFILE job (its micro-benchmarks: profile version k), "
                     "then short TRAIN runs of calibration models on random samples made on the board, each under "
-                    "two schedules solved on version k (keep-all at 100% of the no-remat peak, and a remat/paging-"
-                    "heavy one at 60%, or the model's floor when that is higher). It fits version k to steps 2..N/2 "
-                    "of the runs, reports the step-time (and, where a meter measured, energy) MAPE before and after "
-                    "on steps N/2+1..N, which the fit did not see, and stores the fit as version k+1 with its "
+                    "three schedules solved on version k: keep-all (100% of the no-remat peak), remat-heavy "
+                    "(recomputation only) and paging-heavy (paging only), the last two at the first of 50%, 65% "
+                    "and 80% of the peak the model fits in. It fits version k to the even steps of the runs, "
+                    "reports the step-time (and, where a meter measured, energy) MAPE before and after on the odd "
+                    "steps from 3, which the fit did not see, and stores the fit as version k+1 with its "
                     "provenance. The next runs on that board are solved on it. The calibration belongs to the "
                     "coordinator: it goes on if this command exits.",
         epilog=f"Exit codes: 0 stored; 2 bad input, the coordinator refused or the calibration failed (one line says "

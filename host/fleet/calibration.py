@@ -1,13 +1,13 @@
 """`poet calibrate`: the coordinator calibrates one board's profile, in a thread of its own.
 
 1. A PROFILE job on the board (its micro-benchmarks) stores profile version k.
-2. Short TRAIN runs (12 steps, batch 8 by default) of each calibration model (``mlp`` and ``resnet18_cifar`` by
-   default) under two schedules, both solved on version k: keep-all (budget 100% of the no-remat peak) and a
-   remat/paging-heavy one (60% of the peak, runtime factor 4; the model's hard floor when 60% is below it). They
-   train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
+2. Short TRAIN runs (batch 8 by default) of each calibration model under three schedules, all solved on
+   version k: keep-all (budget 100% of the no-remat peak), remat-heavy (recomputation only) and paging-heavy
+   (paging only), the last two at the first of 50%, 65%, 80% of the peak the model can be trained in, runtime
+   factor 4. They train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
    samples of the model's shape), so a board needs no data of each calibration model's shape.
-3. Each run's stored telemetry is split: steps 2..N/2 are fitted (step 1 warms allocators and caches up),
-   steps N/2+1..N are held out. :func:`host.calibrate.fit.fit_profile` fits version k on the fit halves; the
+3. Each run's stored telemetry is split: the even steps are fitted, the odd steps from 3 are held out
+   (step 1 warms allocators and caches up; see :func:`fit_and_heldout_steps`). :func:`host.calibrate.fit.fit_profile` fits version k on the fit halves; the
    step-time MAPE (and the energy MAPE where a meter measured the steps) of version k and of the fitted profile
    are computed on the held-out halves.
 4. The fitted profile is stored as version k+1 with its provenance (agent, calibration id, operator, the PROFILE
@@ -38,13 +38,16 @@ log = logging.getLogger("poet.fleet.calibrate")
 
 DEFAULT_MODELS, DEFAULT_STEPS, DEFAULT_BATCH_SIZE = CALIBRATION_MODELS, CALIBRATION_STEPS, CALIBRATION_BATCH_SIZE
 MIN_STEPS = 4  # a fit half and a held-out half of at least one step each after the warm-up step
-HEAVY_FRACTION_OF_PEAK = 0.6
+HEAVY_FRACTIONS_OF_PEAK = (0.5, 0.65, 0.8)  # tried in turn: the first budget the model's schedules can meet
 HEAVY_RUNTIME_FACTOR = 4.0
 CALIBRATION_LR = 0.01
 POLL_S = 0.25
 RUN_TIMEOUT_S = 3600.0
 EVENTS_TIMEOUT_S = 60.0  # after a run's result, for its last telemetry events to be stored
-SCHEDULES = (("keep-all", 1.0, 1.2), ("remat-paging-heavy", HEAVY_FRACTION_OF_PEAK, HEAVY_RUNTIME_FACTOR))
+# (label, shares of the no-remat peak to try, runtime factor, no_paging, no_remat)
+SCHEDULES = (("keep-all", (1.0,), 1.2, False, False),
+             ("remat-heavy", HEAVY_FRACTIONS_OF_PEAK, HEAVY_RUNTIME_FACTOR, True, False),
+             ("paging-heavy", HEAVY_FRACTIONS_OF_PEAK, HEAVY_RUNTIME_FACTOR, False, True))
 
 _START_LOCK = threading.Lock()
 _KINDS = {"INSTRUCTION_KIND_COMPUTE": "compute", "INSTRUCTION_KIND_PAGE_OUT": "page_out",
@@ -123,19 +126,23 @@ def runs_from_store(store, run_ids: Iterable[str], graph_for_run: Callable[[Any]
     return runs
 
 
-def split_run(run, first: int, last: int):
-    """The run restricted to steps first..last (inclusive)."""
+def split_run(run, steps: Iterable[int]):
+    """The run restricted to the given step numbers."""
     from host.calibrate.fit import CalibrationRun
 
+    chosen = set(steps)
     return CalibrationRun(graph=run.graph, schedule=run.schedule,
-                          instructions=[i for i in run.instructions if first <= i["step"] <= last],
-                          steps=[s for s in run.steps if first <= s["step"] <= last])
+                          instructions=[i for i in run.instructions if i["step"] in chosen],
+                          steps=[s for s in run.steps if s["step"] in chosen])
 
 
-def fit_and_heldout_steps(steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((first, last) fitted, (first, last) held out) of a run of ``steps`` steps: 2..N/2 and N/2+1..N."""
-    half = steps // 2
-    return (2, half), (half + 1, steps)
+def fit_and_heldout_steps(steps: int) -> tuple[list[int], list[int]]:
+    """(steps fitted, steps held out) of a run of ``steps`` steps: the even steps from 2 and the odd steps from 3.
+
+    Step 1 warms allocators and caches up. Interleaving the halves (rather than first half / second half)
+    gives both the same machine: a board busy with something else for a few seconds slows steps of both.
+    """
+    return list(range(2, steps + 1, 2)), list(range(3, steps + 1, 2))
 
 
 # ------------------------------------------------------------------------------------------ the calibration
@@ -285,18 +292,18 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     # 2. calibration runs, all solved on version k
     planned: list[dict[str, Any]] = []
     for model in calibration.models:
-        for label, fraction, runtime_factor in SCHEDULES:
+        for label, fractions, runtime_factor, no_paging, no_remat in SCHEDULES:
             calibration.set_stage(f"solving {model} ({label}) on profile v{base_version}")
             fields = dict(kind=fleet_pb2.JOB_KIND_TRAIN, model=model, dataset=SYNTHETIC_DATASET,
                           steps=calibration.steps, lr=CALIBRATION_LR, batch_size=calibration.batch_size,
-                          runtime_budget=runtime_factor, profile_version=base_version)
-            run = coordinator.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(fraction_of_peak=fraction),
-                                              **fields))[0]
-            budget_note = f"{fraction:.0%} of the no-remat peak"
-            if serde.RUN_STATUS_FROM_PB[run.status] == "does_not_fit" and run.min_ram_budget_bytes:
-                run = coordinator.submit(_request(
-                    calibration, ram_budget=fleet_pb2.RamBudget(budget_bytes=run.min_ram_budget_bytes), **fields))[0]
-                budget_note = f"the model's floor ({fraction:.0%} of the peak is below it)"
+                          runtime_budget=runtime_factor, profile_version=base_version, no_paging=no_paging,
+                          no_remat=no_remat)
+            for fraction in fractions:  # the heavy schedules: the smallest share the model can be trained in
+                run = coordinator.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(
+                    fraction_of_peak=fraction), **fields))[0]
+                budget_note = f"{fraction:.0%} of the no-remat peak"
+                if serde.RUN_STATUS_FROM_PB[run.status] == "queued":
+                    break
             status = serde.RUN_STATUS_FROM_PB[run.status]
             with calibration.lock:
                 calibration.run_ids.append(run.run_id)
@@ -310,7 +317,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
 
     # 3. fit on steps 2..N/2, compare on N/2+1..N
     calibration.set_stage("fitting")
-    (fit_first, fit_last), (held_first, held_last) = fit_and_heldout_steps(calibration.steps)
+    fit_steps, heldout_steps = fit_and_heldout_steps(calibration.steps)
     done = [run_id for run_id in queued if records[run_id].status == "done"]
     for entry in planned:
         if entry["run_id"] in records:
@@ -331,11 +338,11 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         return schedule_from_json(spec["schedules"][record.metrics["schedule_key"]], source=f"run {record.run_id}")
 
     runs = runs_from_store(store, done, graph_for_run, schedule_for_run)
-    fit_runs = [split_run(r, fit_first, fit_last) for r in runs]
-    held_runs = [split_run(r, held_first, held_last) for r in runs]
+    fit_runs = [split_run(r, fit_steps) for r in runs]
+    held_runs = [split_run(r, heldout_steps) for r in runs]
     if not any(r.steps for r in held_runs) or not any(r.instructions for r in fit_runs):
         raise CalibrationFailed("the calibration runs' telemetry has no steps to fit or to hold out "
-                                f"(fit steps {fit_first}..{fit_last}, held out {held_first}..{held_last})")
+                                f"(fit steps {fit_steps}, held out {heldout_steps})")
     fitted = fit_profile(base, fit_runs, note=f"calibration {calibration.calibration_id} of {agent}")
     errors = {
         "step_mape_before": step_time_mape(base, held_runs), "step_mape_after": step_time_mape(fitted, held_runs),
@@ -356,7 +363,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         "operator": calibration.operator, "base_version": base_version, "profile_job_id": record_job(store, profile_run),
         "profile_run_id": profile_run.run_id, "run_ids": done, "job_ids": [records[r].job_id for r in done],
         "models": calibration.models, "steps": calibration.steps, "batch_size": calibration.batch_size,
-        "fit_steps": [fit_first, fit_last], "heldout_steps": [held_first, held_last],
+        "fit_steps": fit_steps, "heldout_steps": heldout_steps,
         "started_unix_s": started, "created_unix_s": time.time(), **errors, "energy_source": energy_source,
     }
     version = store.add_profile_version(agent, fitted.to_dict(), provenance=provenance)
@@ -364,7 +371,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
              agent, version.version, errors["step_mape_before"], errors["step_mape_after"])
     return {"agent": agent, "calibration_id": calibration.calibration_id, "profile_version": version.version,
             "base_profile_version": base_version, **errors, "energy_source": energy_source,
-            "fit_steps": [fit_first, fit_last], "heldout_steps": [held_first, held_last],
+            "fit_steps": fit_steps, "heldout_steps": heldout_steps,
             "profile_run_id": profile_run.run_id, "runs": planned, "seconds": round(time.time() - started, 3)}
 
 

@@ -12,5 +12,5 @@ MAX_WORKERS = 64  # server threads: each long poll and each telemetry stream hol
 STOP_GRACE_S = 5.0  # on shutdown, calls in flight get this long to finish
 DEFAULT_STATE_DIR = "poet-state"
 CALIBRATION_MODELS = ("mlp", "resnet18_cifar")  # `poet calibrate` default models
-CALIBRATION_STEPS = 12  # steps per calibration run
+CALIBRATION_STEPS = 20  # steps per calibration run: 10 fitted, 9 held out after the warm-up step
 CALIBRATION_BATCH_SIZE = 8

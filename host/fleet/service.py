@@ -282,11 +282,13 @@ class Coordinator:
             return refused(f"RAM budget {how} is below the minimum any schedule of {graph.name} can meet: {floor} "
                            f"bytes; give the board more memory or pick a smaller model or batch"), None
         digest = profile_digest(profile)
-        key = (graph.fingerprint(), digest, budget, float(runtime_factor))
+        paging, remat = not request.no_paging, not request.no_remat
+        key = (graph.fingerprint(), digest, budget, float(runtime_factor), paging, remat)
         with self._solve_lock:
             cached = self._schedules.get(key)
             if cached is None:
-                settings = SolveSettings(runtime_budget=runtime_factor, time_limit_s=self.solve_time_limit_s)
+                settings = SolveSettings(runtime_budget=runtime_factor, time_limit_s=self.solve_time_limit_s,
+                                         paging=paging, remat=remat)
                 log.info("solving %s for %s at %d bytes on %s", graph.name, agent.name, budget, profile.name)
                 result = solve_schedule(priced, settings.options(budget))
                 self.solve_count += 1
@@ -342,6 +344,10 @@ class Coordinator:
         if kind is None or optimizer is None or collect is None:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
         runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
+        if request.no_paging and request.no_remat:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           "--no-paging and --no-remat together leave only plain training: give at most one "
+                           "(or a RAM budget of 100%)")
         if runtime_factor < 1.0:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"runtime budget {runtime_factor} is below 1.0; give a factor >= 1.0 (e.g. 1.2)")
@@ -367,6 +373,7 @@ class Coordinator:
             "ram_budget": json.loads(serde.json_format.MessageToJson(request.ram_budget)) if kind != "profile" else None,
             "schedules": {},
             "profile_version": request.profile_version or None,
+            "paging": not request.no_paging, "remat": not request.no_remat,
         }
         plans: list[BoardPlan] = []
         if kind == "profile":

@@ -53,11 +53,12 @@ def register(cert_dir, port, name, **overrides):
     return stub
 
 
-def submit(cert_dir, port, *, agents=(), all_agents=False, budget=None, kind=fleet_pb2.JOB_KIND_TRAIN, steps=3):
+def submit(cert_dir, port, *, agents=(), all_agents=False, budget=None, kind=fleet_pb2.JOB_KIND_TRAIN, steps=3,
+           **fields):
     request = fleet_pb2.SubmitRunRequest(model=MODEL, dataset="digits", steps=steps, agents=list(agents),
                                          all_agents=all_agents, kind=kind, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
                                          collect=fleet_pb2.COLLECT_NONE, seed=0,
-                                         ram_budget=budget or fleet_pb2.RamBudget(fraction_of_peak=1.0))
+                                         ram_budget=budget or fleet_pb2.RamBudget(fraction_of_peak=1.0), **fields)
     return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
 
 
@@ -140,6 +141,19 @@ def test_identical_boards_cost_one_solve_and_get_the_same_schedule(cert_dir, coo
         assert run.predicted.energy_source == f"predicted:{'jetsontx2' if run.agent == 'pi-3' else 'a72'}"
     again = submit(cert_dir, coordinator.port, agents=["pi-1"], budget=fleet_pb2.RamBudget(fraction_of_peak=0.8))
     assert coordinator.coordinator.solve_count == 2 and again[0].schedule_fingerprint == by_agent["pi-1"].schedule_fingerprint
+
+
+def test_a_run_may_forbid_paging_or_recomputation(cert_dir, coordinator):
+    register(cert_dir, coordinator.port, "pi-1")
+    tight = fleet_pb2.RamBudget(fraction_of_peak=0.8)  # the floor of this model is 75% of its peak
+    [remat_only] = submit(cert_dir, coordinator.port, agents=["pi-1"], budget=tight, runtime_budget=4.0, no_paging=True)
+    [paging_only] = submit(cert_dir, coordinator.port, agents=["pi-1"], budget=tight, runtime_budget=4.0, no_remat=True)
+    assert remat_only.status == paging_only.status == fleet_pb2.RUN_STATUS_QUEUED
+    assert remat_only.recomputes > 0 and remat_only.page_outs == 0
+    assert paging_only.page_outs > 0 and paging_only.recomputes == 0
+    assert coordinator.coordinator.solve_count == 2  # the cache tells the two apart
+    error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1"], no_paging=True, no_remat=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--no-remat" in error.details()
 
 
 def test_auto_budget_arithmetic_and_does_not_fit_with_the_minimum(cert_dir, coordinator):
