@@ -1,14 +1,22 @@
-"""Calibration bench: how well a board's profile predicts its training steps, before and after fitting.
+"""Calibration bench, through the fleet: how well a board's profile predicts its training steps, before and
+after `poet calibrate`.
 
-On this machine: measure it as a board's PROFILE job does (micro-benchmarks, the "before" profile), run
-real training steps of each model under three schedules (keep-all, remat-heavy, paging-heavy) with the
-executor and its telemetry, fit the profile (``host.calibrate.fit.fit_profile``) to the first half of
-the calibration models' steps, and compare predicted with measured median step time on the second
-half, and on a model the fit never saw. Energy is compared only where a meter measured it.
+Everything runs as a user runs it, on loopback with mutual TLS: ``poet serve``, one ``poet-agent run`` (the
+board: this machine), then
 
-    python bench/calibration.py [--steps 12] [--json]
+1. ``poet calibrate --agent board --models mlp,resnet18_cifar,hf_bert`` (a PROFILE job: profile version k;
+   TRAIN runs of each model under keep-all, remat-heavy and paging-heavy schedules solved on k; the fit on
+   the runs' even steps: version k+1). Its report gives, per run, the measured median step time of the odd
+   (held-out) steps and the step time versions k and k+1 predict for that run's schedule.
+2. A model the calibration never saw (``--unseen``, a ``module:callable``) trains under the same three kinds
+   of schedule, once solved and predicted on version k and once on version k+1 (``poet run
+   --profile-version``); each run's predicted step time is compared with its measured median.
 
-Prints a table: model, schedule, measured step s, predicted before / after, error before / after.
+Prints a table: model, schedule, measured step s, predicted before / after, error before / after, and the
+step-time MAPE of the seen and the unseen models. Energy is compared only where a meter measured it; this
+machine has none, so the bench says so and reports time only.
+
+    python bench/calibration.py [--steps 20] [--threads 1] [--plot DIR] [--json]
 """
 
 from __future__ import annotations
@@ -17,188 +25,218 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CALIBRATION_MODELS = (("mlp", 64), ("resnet18_cifar", 8), ("hf_bert", 2))
-UNSEEN_MODEL = ("host.graph.examples:small_cnn", 8, "8,3,32,32")
-SCHEDULES = {  # name -> (share of the no-remat peak, paging allowed, recomputation allowed)
-    "keep-all": (1.0, True, True),
-    "remat-heavy": (0.5, False, True),
-    "paging-heavy": (0.5, True, False),
-}
+from host.fleet.demo import Process, console_script, run_command  # noqa: E402
+
+BOARD, OPERATOR = "board", "operator"
+SEEN_MODELS = ("mlp", "resnet18_cifar", "hf_bert")
+UNSEEN_MODEL = "host.graph.examples:small_cnn_images"
+HEAVY_SHARES = ("50%", "65%", "80%")  # as `poet calibrate` does: the first share of the peak the model fits in
+# (label, shares of the no-remat peak to try, extra `poet run` flags)
+SCHEDULES = (("keep-all", ("100%",), ()), ("remat-heavy", HEAVY_SHARES, ("--no-paging",)),
+             ("paging-heavy", HEAVY_SHARES, ("--no-remat",)))
+HEAVY_RUNTIME_FACTOR = "4"
+SOLVE_TIME_LIMIT_S = 30
 
 
-@dataclass
-class Case:
-    model: str
-    schedule_name: str
-    seen: bool
-    run: object  # CalibrationRun over all steps
-    fit_half: object
-    held_out: object
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-def _split(run, steps: int):
-    from host.calibrate.fit import CalibrationRun
-
-    def part(lo: int, hi: int):
-        return CalibrationRun(run.graph, run.schedule, [e for e in run.instructions if lo <= e["step"] < hi],
-                              [s for s in run.steps if lo <= s["step"] < hi])
-
-    middle = steps // 2 + 1
-    return part(0, middle), part(middle, steps + 1)
+def _poet_json(argv: list[str], env: dict[str, str]) -> tuple[int, dict]:
+    log("$ poet " + " ".join(argv[1:]))
+    done = subprocess.run(argv, env=env, text=True, stdout=subprocess.PIPE)
+    try:
+        return done.returncode, json.loads(done.stdout)
+    except ValueError:
+        raise SystemExit(f"poet {argv[1]} exited {done.returncode} without a JSON object") from None
 
 
-def _run_case(model: str, batch_size: int, input_shape: str | None, schedule_name: str, profile, steps: int,
-              flash_dir: str, log) -> object | None:
-    import torch
+def _unseen_runs(poet: str, env: dict[str, str], versions: dict[str, int], steps: int) -> list[dict]:
+    """The unseen model under each kind of schedule, solved and predicted on each profile version."""
+    rows = []
+    for label, shares, flags in SCHEDULES:
+        row = {"model": UNSEEN_MODEL, "schedule": label, "seen_by_fit": False}
+        for when, version in versions.items():
+            for share in shares:  # the first share the model fits in, as `poet calibrate` does
+                code, reply = _poet_json(
+                    [poet, "run", "--model", UNSEEN_MODEL, "--dataset", ":synthetic", "--steps", str(steps),
+                     "--ram-budget", share, "--runtime-budget", "1.2" if label == "keep-all" else HEAVY_RUNTIME_FACTOR,
+                     "--agents", BOARD, "--profile-version", str(version), *flags, "--wait", "--json"], env)
+                run = reply["runs"][0]
+                if run["status"] == "done":
+                    break
+            if run["status"] != "done":
+                raise SystemExit(f"the {label} run of {UNSEEN_MODEL} on profile v{version} ended {run['status']}: "
+                                 f"{run.get('error') or run.get('detail')}")
+            row[f"predicted_{when}_s"] = run["predicted"]["step_s"]
+            row[f"measured_{when}_s"] = run["measured"]["step_s"]
+            row[f"run_{when}"] = {key: run.get(key) for key in ("run_id", "recomputes", "page_outs", "ram_budget_bytes")}
+        rows.append(row)
+    return rows
 
-    from device_agent.executor import EventStream, ScheduleExecutor
-    from device_agent.profiling import default_energy_meter
-    from host.calibrate.fit import CalibrationRun
-    from host.costs import price_graph
-    from host.graph.partition import partition_from_traced
-    from host.run.solve import SolveSettings
-    from host.run.sources import ModelSource
-    from host.solver.solve import no_remat_peak_bytes, solve_schedule
 
-    source = ModelSource(model, batch_size=batch_size, input_shape=input_shape)
-    resolved = source.resolve()
-    graph, traced, bundle = resolved.graph, resolved.traced, resolved.bundle
-    priced = price_graph(graph, profile)
-    share, paging, remat = SCHEDULES[schedule_name]
-    peak = no_remat_peak_bytes(priced)
-    result = None
-    for attempt in (share, share + 0.15, share + 0.3):  # the floor may be above half the peak
-        settings = SolveSettings(runtime_budget=3.0, paging=paging, remat=remat, time_limit_s=30)
-        result = solve_schedule(priced, settings.options(min(attempt, 1.0) * peak))
-        if result.schedule is not None:
-            break
-    if result is None or result.schedule is None:
-        log(f"  {model} {schedule_name}: no schedule ({result.status if result else '?'}); skipped")
-        return None
-    schedule = result.schedule
-    events = EventStream(capacity=None)
-    optimizer = torch.optim.SGD([p for p in bundle.module.parameters() if p.requires_grad], lr=1e-3)
-    torch.manual_seed(0)
-    with ScheduleExecutor(partition_from_traced(traced), schedule, flash_dir=flash_dir, events=events,
-                          energy_meter=default_energy_meter()) as executor:
-        for _ in range(steps):
-            executor.train_step(tuple(bundle.inputs), bundle.labels, optimizer)
-    instructions, summaries = [], []
-    for event in events.events:
-        record = event.to_dict()
-        record["step"] = int(record["step"]) + 1  # jobs number steps from 1
-        (instructions if record["type"] == "instruction" else summaries).append(record)
-    counts = schedule.counts()
-    log(f"  {model} {schedule_name}: {counts['recomputes']} recomputes, {counts['page_outs']} page-outs, "
-        f"median step {statistics.median(s['duration_s'] for s in summaries[1:]):.4f} s")
-    return CalibrationRun(graph, schedule, instructions, summaries)
+def _error_pct(predicted: float, measured: float) -> float:
+    return 100.0 * abs(predicted - measured) / measured
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="training steps per model and schedule (default 12)")
-    parser.add_argument("--flash-dir", default=None, help="where pages go (default: a temporary directory)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (default: the CPUs this process may run on)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+    parser.add_argument("--models", default=",".join(SEEN_MODELS),
+                        help=f"calibration models (default {','.join(SEEN_MODELS)})")
+    parser.add_argument("--batch-size", type=int, default=8, help="batch size of the calibration runs (default 8)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the board's torch threads (default 1: the coordinator and this bench share the "
+                             "machine's cores with it)")
+    parser.add_argument("--dir", help="working directory, kept afterwards (default: a temporary one, removed)")
     parser.add_argument("--plot", metavar="DIR", help="write predicted-vs-measured plots into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
+    if args.steps < 4:
+        parser.error("--steps must be at least 4 (a warm-up step, fitted steps and held-out steps)")
 
-    import torch
-
-    from device_agent.profiling import profile_local_machine
-    from host.calibrate.fit import energy_mape, fit_profile, predict_step, step_time_mape
-    from host.costs import PlatformProfile
-
-    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0))))
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    with tempfile.TemporaryDirectory(dir=args.flash_dir) as flash_dir:
-        log("measuring this machine as a board's PROFILE job does (the profile before calibration)")
-        before = PlatformProfile.from_dict(profile_local_machine(flash_dir, name="this-board", quick=False))
-        cases: list[Case] = []
-        plans = [(m, b, None, True) for m, b in CALIBRATION_MODELS] + [(UNSEEN_MODEL[0], UNSEEN_MODEL[1],
-                                                                        UNSEEN_MODEL[2], False)]
-        for model, batch, shape, seen in plans:
-            for schedule_name in SCHEDULES:
-                run = _run_case(model, batch, shape, schedule_name, before, args.steps, flash_dir, log)
-                if run is not None:
-                    fit_half, held_out = _split(run, args.steps)
-                    cases.append(Case(model, schedule_name, seen, run, fit_half, held_out))
-        after = fit_profile(before, [c.fit_half for c in cases if c.seen], note="bench/calibration.py")
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(args.dir or scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        report, unseen = _measure(root, args)
+        if args.plot:
+            _plots(Path(args.plot), root / "coordinator", report, log)
 
     rows = []
-    for case in cases:
-        measured = statistics.median(s["duration_s"] for s in case.held_out.steps)
-        predicted_before, _ = predict_step(before, case.run.graph, case.run.schedule)
-        predicted_after, _ = predict_step(after, case.run.graph, case.run.schedule)
-        rows.append({
-            "model": case.model, "schedule": case.schedule_name, "seen_by_fit": case.seen,
-            "measured_step_s": measured, "predicted_before_s": predicted_before, "predicted_after_s": predicted_after,
-            "error_before_pct": 100 * abs(predicted_before - measured) / measured,
-            "error_after_pct": 100 * abs(predicted_after - measured) / measured,
-        })
+    for run in report["runs"]:
+        if run.get("measured_step_s"):
+            rows.append({"model": run["model"], "schedule": run["schedule"], "seen_by_fit": True,
+                         "measured_step_s": run["measured_step_s"], "predicted_before_s": run["predicted_before_s"],
+                         "predicted_after_s": run["predicted_after_s"],
+                         "error_before_pct": _error_pct(run["predicted_before_s"], run["measured_step_s"]),
+                         "error_after_pct": _error_pct(run["predicted_after_s"], run["measured_step_s"])})
+    for row in unseen:
+        rows.append({**row, "measured_step_s": row["measured_after_s"],
+                     "error_before_pct": _error_pct(row["predicted_before_s"], row["measured_before_s"]),
+                     "error_after_pct": _error_pct(row["predicted_after_s"], row["measured_after_s"])})
     summary = {}
-    for label, chosen in (("seen", [c for c in cases if c.seen]), ("unseen", [c for c in cases if not c.seen])):
-        held = [c.held_out for c in chosen]
-        if held:
-            summary[label] = {"step_mape_before": step_time_mape(before, held),
-                              "step_mape_after": step_time_mape(after, held),
-                              "energy_mape_before": energy_mape(before, held),
-                              "energy_mape_after": energy_mape(after, held)}
-    energy_source = cases[0].run.steps[0].get("energy_source") if cases else None
-    if args.plot:
-        _plots(Path(args.plot), cases, before, after, log)
-    report = {"cases": rows, "summary": summary, "energy_source": energy_source,
-              "torch_threads": torch.get_num_threads()}
+    for label, seen in (("seen", True), ("unseen", False)):
+        chosen = [r for r in rows if r["seen_by_fit"] is seen]
+        if chosen:
+            summary[label] = {"step_mape_before": statistics.fmean(r["error_before_pct"] for r in chosen),
+                              "step_mape_after": statistics.fmean(r["error_after_pct"] for r in chosen)}
+    result = {"cases": rows, "summary": summary, "calibration": {k: v for k, v in report.items() if k != "runs"},
+              "energy_source": report.get("energy_source"), "torch_threads": args.threads, "steps": args.steps}
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(result, indent=1))
         return 0
-    print(f"{'model':<34} {'schedule':<13} {'measured s':>10} {'pred before':>11} {'pred after':>10} "
+    print(f"{'model':<38} {'schedule':<13} {'measured s':>10} {'pred before':>11} {'pred after':>10} "
           f"{'err before':>10} {'err after':>9}")
     for r in rows:
-        print(f"{r['model'] + ('' if r['seen_by_fit'] else ' (unseen)'):<34} {r['schedule']:<13} "
-              f"{r['measured_step_s']:>10.5f} {r['predicted_before_s']:>11.5f} {r['predicted_after_s']:>10.5f} "
-              f"{r['error_before_pct']:>9.1f}% {r['error_after_pct']:>8.1f}%")
+        name = r["model"] + ("" if r["seen_by_fit"] else " (unseen)")
+        print(f"{name:<38} {r['schedule']:<13} {r['measured_step_s']:>10.5f} {r['predicted_before_s']:>11.5f} "
+              f"{r['predicted_after_s']:>10.5f} {r['error_before_pct']:>9.1f}% {r['error_after_pct']:>8.1f}%")
     for label, figures in summary.items():
-        energy = ("energy: no meter here (" + str(energy_source) + "), time only"
-                  if figures["energy_mape_after"] is None else
-                  f"energy MAPE {figures['energy_mape_before']:.1f}% -> {figures['energy_mape_after']:.1f}%")
-        print(f"{label}: step-time MAPE {figures['step_mape_before']:.1f}% -> {figures['step_mape_after']:.1f}%; "
-              f"{energy}")
+        print(f"{label}: step-time MAPE {figures['step_mape_before']:.1f}% -> {figures['step_mape_after']:.1f}%")
+    if report.get("energy_mape_after") is None:
+        print(f"energy: no meter on this board ({report.get('energy_source')}): time only")
+    else:
+        print(f"energy MAPE (calibration runs, held-out steps): {report['energy_mape_before']:.1f}% -> "
+              f"{report['energy_mape_after']:.1f}% ({report.get('energy_source')})")
     return 0
 
 
-def _plots(directory: Path, cases: list[Case], before, after, log) -> None:
+def _measure(root: Path, args) -> tuple[dict, list[dict]]:
+    """Start the fleet in ``root``, calibrate the board, run the unseen model; (calibration report, unseen rows)."""
+    certs = root / "certs"
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), POET_AGENT_MAX_BACKOFF_S="2")
+    poet, agent = console_script("poet"), console_script("poet-agent")
+    run_command([poet, "certs", "init", "--dir", str(certs)], env)
+    run_command([poet, "certs", "issue", "--dir", str(certs), "--node", BOARD], env)
+    run_command([poet, "certs", "issue", "--dir", str(certs), "--operator", OPERATOR], env)
+    for sub in ("flash", "data", "state"):
+        (root / BOARD / sub).mkdir(parents=True, exist_ok=True)
+    processes: list[Process] = []
+    try:
+        server = Process("coordinator", [poet, "serve", "--listen", "127.0.0.1:0", "--certs", str(certs),
+                                         "--state-dir", str(root / "coordinator"),
+                                         "--solve-time-limit", str(SOLVE_TIME_LIMIT_S)], env, echo=False)
+        processes.append(server)
+        address = server.wait_for("listening on").split("listening on", 1)[1].strip()
+        board = Process(BOARD, [agent, "run", "--coordinator", address, "--certs", str(certs / BOARD),
+                                "--flash-dir", str(root / BOARD / "flash"), "--data-dir", str(root / BOARD / "data"),
+                                "--state-dir", str(root / BOARD / "state")], env, echo=False)
+        processes.append(board)
+        board.wait_for("registered with")
+        operator_env = dict(env, POET_COORDINATOR=address, POET_CERTS=str(certs / OPERATOR))
+        code, report = _poet_json([poet, "calibrate", "--agent", BOARD, "--models", args.models, "--steps",
+                                   str(args.steps), "--batch-size", str(args.batch_size), "--wait", "--json"],
+                                  operator_env)
+        if code != 0:
+            raise SystemExit(f"poet calibrate failed: {report}")
+        log(f"calibrated: profile v{report['base_profile_version']} -> v{report['profile_version']}, held-out step "
+            f"MAPE {report['step_mape_before']:.1f}% -> {report['step_mape_after']:.1f}%")
+        versions = {"before": report["base_profile_version"], "after": report["profile_version"]}
+        unseen = _unseen_runs(poet, operator_env, versions, args.steps)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    return report, unseen
+
+
+def _plots(directory: Path, state_dir: Path, report: dict, log) -> None:
+    """Per node compute, predicted on versions k and k+1 against measured (held-out steps), and each calibration
+    run's per-step error, from the telemetry the coordinator stored."""
+    from device_agent.serde import schedule_from_json
     from host.calibrate.fit import predict_step
-    from host.costs import price_graph
+    from host.costs import PlatformProfile, price_graph
+    from host.fleet.calibration import runs_from_store, split_run
+    from host.fleet.model_package import package_model
+    from host.fleet.store import RunStore, sqlite_url
     from host.plots import plot_node_predictions, plot_step_errors
 
+    store = RunStore(sqlite_url(state_dir))
+    try:
+        before, after = (PlatformProfile.from_dict(store.get_profile_version(BOARD, v).profile)
+                         for v in (report["base_profile_version"], report["profile_version"]))
+        run_ids = [r["run_id"] for r in report["runs"] if r.get("measured_step_s")]
+        specs = {run_id: store.get_job(store.get_run(run_id).job_id).spec for run_id in run_ids}
+        graphs: dict[tuple, object] = {}
+
+        def graph_for_run(record):
+            spec = specs[record.run_id]
+            key = (spec["model"], spec.get("batch_size"))
+            if key not in graphs:
+                graphs[key] = package_model(spec["model"], state_dir / "bench-models",
+                                            batch_size=spec.get("batch_size"), seed=int(spec.get("seed") or 0)).graph
+            return graphs[key]
+
+        def schedule_for_run(record):
+            return schedule_from_json(specs[record.run_id]["schedules"][record.metrics["schedule_key"]])
+
+        runs = runs_from_store(store, run_ids, graph_for_run, schedule_for_run)
+    finally:
+        store.close()
     directory.mkdir(parents=True, exist_ok=True)
+    heldout = report["heldout_steps"]
     points, series = [], {}
-    for case in cases:
-        priced_before, priced_after = price_graph(case.run.graph, before), price_graph(case.run.graph, after)
+    for entry, run in zip([r for r in report["runs"] if r.get("measured_step_s")], runs, strict=True):
+        held = split_run(run, heldout)
+        priced_before, priced_after = price_graph(run.graph, before), price_graph(run.graph, after)
         seconds: dict[int, list[float]] = {}
-        for event in case.held_out.instructions:
+        for event in held.instructions:
             if event["kind"] == "compute":
                 seconds.setdefault(event["node"], []).append(event["duration_s"])
         points += [(statistics.median(v), float(priced_before.compute_s[n]), float(priced_after.compute_s[n]))
                    for n, v in seconds.items() if statistics.median(v) > 0]
-        predicted_before, _ = predict_step(before, case.run.graph, case.run.schedule)
-        predicted_after, _ = predict_step(after, case.run.graph, case.run.schedule)
-        series[f"{case.model.rsplit(':', 1)[-1]} {case.schedule_name}"] = [
+        predicted_before, _ = predict_step(before, run.graph, run.schedule)
+        predicted_after, _ = predict_step(after, run.graph, run.schedule)
+        series[f"{entry['model'].rsplit(':', 1)[-1]} {entry['schedule']}"] = [
             (s["step"], 100 * (predicted_before / s["duration_s"] - 1), 100 * (predicted_after / s["duration_s"] - 1))
-            for s in case.run.steps]
-    log(f"plot {plot_node_predictions(points, directory / 'calibration_nodes.png', 'node computes on this machine')}")
+            for s in run.steps]
+    log(f"plot {plot_node_predictions(points, directory / 'calibration_nodes.png', 'node computes on this board')}")
     log(f"plot {plot_step_errors(series, directory / 'calibration_steps.png', 'step time over each run')}")
 
 

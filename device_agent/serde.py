@@ -136,7 +136,8 @@ def check_schedule_file(schedule: Schedule, source: str) -> None:
 _fleet = protos.load("poet.v1.fleet_pb2")
 
 
-def grouping_to_proto(spec, *, batch_shape: tuple[int, ...], batch_dtype: str, num_classes: int):
+def grouping_to_proto(spec, *, batch_shape: tuple[int, ...], batch_dtype: str, num_classes: int,
+                      class_index_shape: tuple[int, ...] = ()):
     """A :class:`~device_agent.executor.split.PartitionSpec` as the job's NodeGrouping."""
     message = _fleet.NodeGrouping(
         batch_placeholders=list(spec.batch_placeholders),
@@ -147,6 +148,7 @@ def grouping_to_proto(spec, *, batch_shape: tuple[int, ...], batch_dtype: str, n
         batch_shape=[int(d) for d in batch_shape],
         batch_dtype=batch_dtype,
         num_classes=int(num_classes),
+        class_index_shape=[int(d) for d in class_index_shape],
     )
     for group in spec.groups:
         message.groups.add(

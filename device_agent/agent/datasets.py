@@ -258,14 +258,17 @@ class SyntheticDataset(LocalDataset):
     on (their step times, not what they learn, are the point), so a board needs no dataset of every calibration
     model's shape. Batches, order and resume behave as a LocalDataset's; it has no held-out split."""
 
-    def __init__(self, sample_shape: tuple[int, ...], num_classes: int, batch_size: int, seed: int) -> None:
+    def __init__(self, sample_shape: tuple[int, ...], num_classes: int, batch_size: int, seed: int,
+                 label_shape: tuple[int, ...] = ()) -> None:
+        """``label_shape``: one sample's class indices (``()``: one class per sample; a sequence model's: one per
+        token). Samples are uniform in [0, 1); a model taking integer ids gets them as 0 once cast."""
         rng = np.random.default_rng([int(seed), 0x5EED])
         count = max(1, int(batch_size)) * _SYNTHETIC_BATCHES
         self.name = SYNTHETIC_DATASET
         self.path = None
         self.shard_paths = self.heldout_paths = ()
         self.x = rng.random((count, *sample_shape), dtype=np.float32)
-        self.y = rng.integers(0, max(1, int(num_classes)), size=count, dtype=np.int64)
+        self.y = rng.integers(0, max(1, int(num_classes)), size=(count, *label_shape), dtype=np.int64)
         self._heldout_x = self._heldout_y = None
 
 

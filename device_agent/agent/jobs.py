@@ -187,9 +187,8 @@ class JobRunner:
         else:
             self.log(f"resuming run {job.run_id} at step {meta['step']} of {job.steps}")
         events = EventStream(keep=False)
-        pending: list = []
-        events.subscribe(lambda event: pending.append(
-            telemetry_event_to_proto(event, job_id=job.job_id, unix_time_s=time.time())))
+        raw: list = []  # (event, unix time) as the executor emits them, inside the step: kept cheap
+        events.subscribe(lambda event: raw.append((event, time.time())))
         meter = default_energy_meter()
         rss = RssSampler()
         step, data_index = meta["step"], meta["data_index"]
@@ -203,6 +202,10 @@ class JobRunner:
                 x, y = self._tensors(batch, job.grouping)
                 outcome = executor.train_step((x,), y, optimizer)
                 step, data_index = step + 1, batch.next_index
+                # to messages after the step, so the conversion is not timed as part of the step's instructions
+                pending = [telemetry_event_to_proto(event, job_id=job.job_id, unix_time_s=unix_time_s)
+                           for event, unix_time_s in raw]
+                raw.clear()
                 for message in pending:  # the job's step number from 1, not the executor's index (0 again on a resume)
                     if message.WhichOneof("event") == "step":
                         message.step.step = step
@@ -213,7 +216,6 @@ class JobRunner:
                 energy_source = outcome.summary.energy_source or energy_source
                 pending.append(rss_event_to_proto(rss.rss_bytes(), job_id=job.job_id, unix_time_s=time.time()))
                 telemetry.emit_many(pending)  # blocks while the buffer is full: back-pressure, never a drop
-                pending.clear()
                 if progress is not None:
                     progress(step)
                 if step % every == 0 or step == job.steps:
@@ -268,7 +270,8 @@ class JobRunner:
         grouping = job.grouping
         batch_size = int(grouping.batch_shape[0])
         if job.dataset == SYNTHETIC_DATASET:  # a calibration run: random samples of the model's shape
-            return SyntheticDataset(tuple(grouping.batch_shape[1:]), grouping.num_classes, batch_size, job.seed), batch_size
+            return SyntheticDataset(tuple(grouping.batch_shape[1:]), grouping.num_classes, batch_size, job.seed,
+                                    label_shape=tuple(grouping.class_index_shape[1:])), batch_size
         try:
             dataset = LocalDataset(self.data_dir, job.dataset)
         except DatasetError as error:

@@ -21,6 +21,7 @@ the store, and no version is stored). Telemetry of ordinary TRAIN jobs does not 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -271,7 +272,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     """The calibration's steps (module docstring); returns the report `poet calibrate --json` prints."""
     from device_agent.agent.datasets import SYNTHETIC_DATASET
     from device_agent.serde import schedule_from_json
-    from host.calibrate.fit import energy_mape, fit_profile, step_time_mape
+    from host.calibrate.fit import energy_mape, fit_profile, predict_step, step_time_mape
     from host.costs import PlatformProfile
 
     store, agent = coordinator.store, calibration.agent
@@ -356,6 +357,9 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         if held is not None and held.steps:
             entry["step_mape_before"] = step_time_mape(base, [held])
             entry["step_mape_after"] = step_time_mape(fitted, [held])
+            entry["measured_step_s"] = statistics.median(float(s["duration_s"]) for s in held.steps)
+            entry["predicted_before_s"] = predict_step(base, held.graph, held.schedule)[0]
+            entry["predicted_after_s"] = predict_step(fitted, held.graph, held.schedule)[0]
 
     # 4. store version k+1 with its provenance
     provenance = {

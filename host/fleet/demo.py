@@ -40,17 +40,18 @@ STARTUP_TIMEOUT_S = 120.0
 SOLVE_TIME_LIMIT_S = 20  # per schedule: the demo stays within about 3 minutes even when a solve does not close
 
 
-def _bin(name: str) -> str:
+def console_script(name: str) -> str:
     """The console script beside this interpreter (the venv's), else the one on PATH."""
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
 
 
-class _Process:
+class Process:
     """A long-running command whose stderr is echoed with a prefix and watched for a line."""
 
-    def __init__(self, label: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], echo: bool = True) -> None:
         self.label = label
+        self.echo = echo
         self.lines: list[str] = []
         self._seen = threading.Condition()
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -59,7 +60,8 @@ class _Process:
     def _pump(self) -> None:
         for line in self.proc.stderr:
             line = line.rstrip("\n")
-            print(f"  {self.label:<11}| {line}", file=sys.stderr, flush=True)
+            if self.echo:
+                print(f"  {self.label:<11}| {line}", file=sys.stderr, flush=True)
             with self._seen:
                 self.lines.append(line)
                 self._seen.notify_all()
@@ -88,7 +90,7 @@ class _Process:
             return self.proc.wait()
 
 
-def _run(argv: list[str], env: dict[str, str] | None = None, capture: bool = False) -> str:
+def run_command(argv: list[str], env: dict[str, str] | None = None, capture: bool = False) -> str:
     print("$ " + " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)), file=sys.stderr,
           flush=True)
     done = subprocess.run(argv, env=env, check=True, text=True,
@@ -118,35 +120,35 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True)
     certs = root / "certs"
     env = dict(os.environ, OMP_NUM_THREADS="1", POET_AGENT_MAX_BACKOFF_S="2")
-    poet, agent = _bin("poet"), _bin("poet-agent")
+    poet, agent = console_script("poet"), console_script("poet-agent")
     started = time.monotonic()
 
     print("== certificates", file=sys.stderr)
-    _run([poet, "certs", "init", "--dir", str(certs)], env)
+    run_command([poet, "certs", "init", "--dir", str(certs)], env)
     for board in BOARDS:
-        _run([poet, "certs", "issue", "--dir", str(certs), "--node", board], env)
-    _run([poet, "certs", "issue", "--dir", str(certs), "--operator", OPERATOR], env)
+        run_command([poet, "certs", "issue", "--dir", str(certs), "--node", board], env)
+    run_command([poet, "certs", "issue", "--dir", str(certs), "--operator", OPERATOR], env)
 
     print("== each board's own data (never sent anywhere)", file=sys.stderr)
     for index, board in enumerate(BOARDS, start=1):
         for sub in ("flash", "data", "state"):
             (root / board / sub).mkdir(parents=True)
-        _run([agent, "datasets", "make-demo", "--data-dir", str(root / board / "data"), "--name", DATASET,
+        run_command([agent, "datasets", "make-demo", "--data-dir", str(root / board / "data"), "--name", DATASET,
               "--shard", f"{index}/{len(BOARDS)}", "--seed", "0"], env)
 
-    processes: list[_Process] = []
+    processes: list[Process] = []
     exit_codes: dict[str, int] = {}
     try:
         print("== coordinator", file=sys.stderr)
-        server = _Process("coordinator", [poet, "serve", "--listen", "127.0.0.1:0", "--certs", str(certs),
+        server = Process("coordinator", [poet, "serve", "--listen", "127.0.0.1:0", "--certs", str(certs),
                                           "--state-dir", str(root / "coordinator"),
                                           "--solve-time-limit", str(SOLVE_TIME_LIMIT_S)], env)
         processes.append(server)
         address = server.wait_for("listening on").split("listening on", 1)[1].strip()
         operator_env = dict(env, POET_COORDINATOR=address, POET_CERTS=str(certs / OPERATOR))
 
-        def start_agent(board: str, extra: list[str]) -> _Process:
-            process = _Process(board, [agent, "run", "--coordinator", address, "--certs", str(certs / board),
+        def start_agent(board: str, extra: list[str]) -> Process:
+            process = Process(board, [agent, "run", "--coordinator", address, "--certs", str(certs / board),
                                        "--flash-dir", str(root / board / "flash"),
                                        "--data-dir", str(root / board / "data"),
                                        "--state-dir", str(root / board / "state"), *extra], env)
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("== board-a (no memory limit)", file=sys.stderr)
         start_agent(BOARDS[0], [])
-        agents = json.loads(_run([poet, "fleet", "list", "--json"], operator_env, capture=True))["agents"]
+        agents = json.loads(run_command([poet, "fleet", "list", "--json"], operator_env, capture=True))["agents"]
         runtime_rss = next(a for a in agents if a["name"] == BOARDS[0])["runtime_rss_bytes"]
         from host.fleet.limits import AUTO_MARGIN_BYTES
 
@@ -168,16 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         start_agent(BOARDS[1], ["--memory-limit", str(limit)])
 
         print("== fine-tune on both boards, each on its own budget and data", file=sys.stderr)
-        _run([poet, "fleet", "list"], operator_env)
-        _run([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(args.steps), "--ram-budget",
+        run_command([poet, "fleet", "list"], operator_env)
+        run_command([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(args.steps), "--ram-budget",
               "auto", "--all", "--optimizer", OPTIMIZER, "--wait"], operator_env)
 
         print("== calibration: board-b measures itself, its profile is fitted to its telemetry (a new version), "
               "and the next run is priced on it", file=sys.stderr)
-        _run([poet, "calibrate", "--agent", BOARDS[1], "--models", MODEL, "--batch-size", "512", "--wait"],
+        run_command([poet, "calibrate", "--agent", BOARDS[1], "--models", MODEL, "--batch-size", "512", "--wait"],
              operator_env)
-        _run([poet, "profiles", "list", "--agent", BOARDS[1]], operator_env)
-        _run([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(CALIBRATED_STEPS), "--ram-budget",
+        run_command([poet, "profiles", "list", "--agent", BOARDS[1]], operator_env)
+        run_command([poet, "run", "--model", MODEL, "--dataset", DATASET, "--steps", str(CALIBRATED_STEPS), "--ram-budget",
               "auto", "--agents", BOARDS[1], "--optimizer", OPTIMIZER, "--wait"], operator_env)
     finally:
         for process in reversed(processes):

@@ -58,7 +58,8 @@ def package_model(model: str, cache_dir: str | os.PathLike, *, batch_size: int |
                          "(a zoo name or module:callable)")
     first = bundle.inputs[0]
     grouping = grouping_to_proto(partition_spec(traced), batch_shape=tuple(first.shape),
-                                 batch_dtype=str(first.dtype).removeprefix("torch."), num_classes=_num_classes(bundle))
+                                 batch_dtype=str(first.dtype).removeprefix("torch."), num_classes=_num_classes(bundle),
+                                 class_index_shape=tuple(bundle.labels.shape))
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     # torch.export.save writes a zip it may seek in: write it beside the cache, then move it into place

@@ -1,7 +1,8 @@
 """Example model factories for ``--model module:callable``, used by the tests and the docs.
 
 Try ``poet solve --model host.graph.examples:small_cnn --input-shape 4,3,16,16`` (a bare module) or
-``poet solve --model host.graph.examples:bundle_with_custom_loss`` (a complete bundle).
+``poet solve --model host.graph.examples:bundle_with_custom_loss`` (a complete bundle; also
+``small_cnn_images``).
 """
 
 from __future__ import annotations
@@ -40,3 +41,17 @@ def bundle_with_custom_loss() -> ModelBundle:
     inputs = torch.randn(8, 16)
     targets = torch.randn(8, 1)
     return ModelBundle(name="regression_mlp", module=module, inputs=(inputs,), labels=targets, loss_fn=F.mse_loss)
+
+
+def small_cnn_images() -> ModelBundle:
+    """:func:`small_cnn` as a complete bundle: a batch of 8 RGB 32x32 images, 10 classes, cross-entropy.
+
+    What ``bench/calibration.py`` predicts after calibrating on other models (a board needs no data: the
+    fleet trains it on the reserved ``:synthetic`` dataset of this shape).
+    """
+    from host.graph.zoo import default_loss, seeded_labels
+
+    module = small_cnn()
+    inputs = torch.randn(8, 3, 32, 32)
+    return ModelBundle(name="small_cnn_images", module=module, inputs=(inputs,), labels=seeded_labels((8, 10), 0),
+                       loss_fn=default_loss)

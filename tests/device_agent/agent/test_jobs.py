@@ -116,3 +116,18 @@ def test_a_profile_job_measures_the_board_into_a_profile_the_host_accepts(tmp_pa
     assert profile.name == "pi-7" and profile.page_out_throughput_bytes_per_s > 0
     assert profile.energy_source.startswith("modelled:")
     assert list((tmp_path / "flash").iterdir()) == []  # the benchmark's page files are gone
+
+
+def test_a_sequence_model_trains_on_synthetic_samples_with_a_label_per_token(tmp_path):
+    """Calibration runs of a masked-LM train on `:synthetic`: its labels take the model's label shape (one per
+    token), not one per sample."""
+    from device_agent.agent.datasets import SYNTHETIC_DATASET
+
+    package = package_model("hf_bert", tmp_path / "models", batch_size=2)
+    assert list(package.grouping.class_index_shape) == [2, 32]
+    schedule = poet_edge.solve("hf_bert", platform="a72", ram_budget="100%", batch_size=2, time_limit_s=20).schedule
+    (tmp_path / "data").mkdir()
+    runner, sink = _runner(tmp_path, "state")
+    result = runner.run(_job(package, schedule, "bert", dataset=SYNTHETIC_DATASET, steps=2), package.path,
+                        sink.for_run("bert"), threading.Event())
+    assert result.status == fleet_pb2.RUN_STATUS_DONE and len(result.loss_per_step) == 2
