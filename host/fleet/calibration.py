@@ -316,7 +316,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
     records = {r.run_id: r for r in _wait(coordinator, calibration, queued, "calibration runs")}
 
-    # 3. fit on steps 2..N/2, compare on N/2+1..N
+    # 3. fit on the even steps, compare on the odd steps from 3
     calibration.set_stage("fitting")
     fit_steps, heldout_steps = fit_and_heldout_steps(calibration.steps)
     done = [run_id for run_id in queued if records[run_id].status == "done"]

@@ -118,6 +118,7 @@ def test_a_profile_job_measures_the_board_into_a_profile_the_host_accepts(tmp_pa
     assert list((tmp_path / "flash").iterdir()) == []  # the benchmark's page files are gone
 
 
+@pytest.mark.slow  # 11 s (traces hf_bert); the fast suite keeps its 5-minute margin
 def test_a_sequence_model_trains_on_synthetic_samples_with_a_label_per_token(tmp_path):
     """Calibration runs of a masked-LM train on `:synthetic`: its labels take the model's label shape (one per
     token), not one per sample."""
