@@ -116,6 +116,7 @@ def test_issue_refuses_bad_names(cert_dir, name, why):
         certs.issue_cert(cert_dir, "pi-9", "admin")
 
 
+@pytest.mark.slow  # 7 s of key generation; the fast suite keeps its 5-minute margin
 def test_an_existing_ca_or_bundle_is_kept_without_force(tmp_path):
     root = tmp_path / "fleet"
     assert poet("certs", "init", "--dir", str(root), timeout=60).returncode == 0

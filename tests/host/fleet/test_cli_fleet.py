@@ -139,6 +139,7 @@ def test_fleet_list_json_contract(cert_dir, served):
     assert human.returncode == 0 and "pi-1" in human.stdout and "a72" in human.stdout
 
 
+@pytest.mark.slow  # 11 s; the fast suite keeps its 5-minute margin
 def test_run_json_and_runs_list_json_contract(cert_dir, served):
     board(cert_dir, served.port, "pi-1")
     board(cert_dir, served.port, "pi-2", memory_limit_bytes=208 * MIB)  # auto: RSS + margin leave nothing

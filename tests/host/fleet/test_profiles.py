@@ -85,6 +85,7 @@ def test_runs_record_their_profile_and_a_pinned_version_is_used_or_refused(cert_
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.slow  # 17 s of real `poet profiles` commands; the fast suite keeps its 5-minute margin
 def test_profiles_list_show_and_diff_json(cert_dir, coordinator):
     register(cert_dir, coordinator.port, "pi-1")
     register(cert_dir, coordinator.port, "pi-2")
