@@ -65,7 +65,7 @@ def _unseen_runs(poet: str, env: dict[str, str], versions: dict[str, int], steps
         row = {"model": UNSEEN_MODEL, "schedule": label, "seen_by_fit": False}
         for when, version in versions.items():
             for share in shares:  # the first share the model fits in, as `poet calibrate` does
-                code, reply = _poet_json(
+                _, reply = _poet_json(
                     [poet, "run", "--model", UNSEEN_MODEL, "--dataset", ":synthetic", "--steps", str(steps),
                      "--ram-budget", share, "--runtime-budget", "1.2" if label == "keep-all" else HEAVY_RUNTIME_FACTOR,
                      "--agents", BOARD, "--profile-version", str(version), *flags, "--wait", "--json"], env)

@@ -174,8 +174,10 @@ def _nnls(rows: list[list[float]], targets: list[float], scales: list[float] | N
     return solution / column_norms
 
 
-def _fit_transfers(profile: PlatformProfile, kind: str, observed: list[tuple[float, float]]) -> dict[str, float]:
-    """Latency and throughput of one transfer direction from (bytes, seconds) observations.
+def _fit_transfers(profile: PlatformProfile, kind: str,
+                   observed: list[tuple[float, float]]) -> tuple[dict[str, float], str]:
+    """Latency and throughput of one transfer direction from (bytes, seconds) observations, and how they
+    were fitted (for the profile's sources).
 
     Transfers of (nearly) one size cannot tell latency from throughput apart: then both of ``profile``'s
     (the board's micro-benchmarks) are scaled by one factor, measured over predicted seconds.
@@ -185,11 +187,12 @@ def _fit_transfers(profile: PlatformProfile, kind: str, observed: list[tuple[flo
     sizes = [b for b, _ in observed]
     if len(observed) < 2 or max(sizes) < TRANSFER_SIZE_SPREAD * max(min(sizes), 1.0):
         factor = sum(s for _, s in observed) / sum(latency_s + b / throughput for b in sizes)
-        return {f"{kind}_latency_s": latency_s * factor, f"{kind}_throughput_bytes_per_s": throughput / factor}
+        return ({f"{kind}_latency_s": latency_s * factor, f"{kind}_throughput_bytes_per_s": throughput / factor},
+                f"the board's micro-benchmark scaled by measured/predicted {factor:.3g}")
     fitted_latency_s, inverse = _nnls([[1.0, b] for b in sizes], [s for _, s in observed])
-    return {f"{kind}_latency_s": float(fitted_latency_s),
-            f"{kind}_throughput_bytes_per_s": float(1.0 / inverse) if inverse > 1.0 / TRANSFER_RATE_CAP_BYTES_PER_S
-            else TRANSFER_RATE_CAP_BYTES_PER_S}
+    return ({f"{kind}_latency_s": float(fitted_latency_s),
+             f"{kind}_throughput_bytes_per_s": float(1.0 / inverse) if inverse > 1.0 / TRANSFER_RATE_CAP_BYTES_PER_S
+             else TRANSFER_RATE_CAP_BYTES_PER_S}, "least squares")
 
 
 def compute_features(node, traffic_bytes: float) -> dict[tuple[str, str], float]:
@@ -218,14 +221,14 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
         graph = run.graph
         traffic = node_traffic_bytes(graph)
         durations: dict[int, list[float]] = {}
-        per_step_s: dict[int, float] = {}
+        steps_with_instructions: set[int] = set()
         per_step_compute_s: dict[int, float] = {}
         for event in run.instructions:
             step = int(event.get("step", 0))
             if step <= warmup_steps:
                 continue
             kind, seconds = _kind(event), float(event.get("duration_s", 0.0))
-            per_step_s[step] = per_step_s.get(step, 0.0) + seconds
+            steps_with_instructions.add(step)
             if kind == "compute" and seconds > 0:
                 durations.setdefault(int(event["node"]), []).append(seconds)
                 per_step_compute_s[step] = per_step_compute_s.get(step, 0.0) + seconds
@@ -241,7 +244,7 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
                                 statistics.median(values), step_compute_s))
         for step_event in run.steps:
             step = int(step_event.get("step", 0))
-            if step <= warmup_steps or step not in per_step_s:
+            if step <= warmup_steps or step not in steps_with_instructions:
                 continue
             optimizer_s = float(step_event.get("optimizer_s", 0.0))
             if optimizer_s > 0 and graph.param_bytes > 0:
@@ -288,9 +291,10 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     for kind, observed in transfers.items():
         if not observed:
             continue
-        changes.update(_fit_transfers(profile, kind, observed))
+        fitted, how = _fit_transfers(profile, kind, observed)
+        changes.update(fitted)
         for key in ("latency_s", "throughput_bytes_per_s"):
-            sources[f"{kind}.{key}"] = f"{note}: least squares over {len(observed)} transfers"
+            sources[f"{kind}.{key}"] = f"{note}: {how} over {len(observed)} transfers"
     if optimizer_rates:
         changes["optimizer_bytes_per_s"] = statistics.median(optimizer_rates)
         sources["step.optimizer_bytes_per_s"] = f"{note}: parameter bytes / median optimizer seconds"
@@ -310,14 +314,12 @@ def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun]
     overheads per step and per instruction, and the paging's cost outside its transfers (the kernel's
     write-back, caches refilled after a page-in) per paged byte, which is added to both directions'
     transfer costs so the solver sees it. Least squares on each step's relative error."""
-    from host.costs.pricing import price_graph
-
     rows, targets, scales = [], [], []
     for run in runs:
         instructions = run.schedule.instructions
         transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in instructions
                              if i.kind in ("page_in", "page_out"))
-        priced_s, _ = predict_step(profile, run.graph, run.schedule, price_graph(run.graph, profile))
+        priced_s, _ = predict_step(profile, run.graph, run.schedule)
         for step in run.steps:
             duration_s = float(step.get("duration_s", 0.0))
             if int(step.get("step", 0)) <= warmup_steps or duration_s <= 0:
@@ -379,7 +381,7 @@ def _fit_powers(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: 
     )
 
 
-def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule, priced=None) -> tuple[float, float]:
+def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tuple[float, float]:
     """(seconds, joules) of one training step of ``graph`` under ``schedule``, priced on ``profile``.
 
     The solver's runtime covers computes and transfers (what a schedule changes); a step also runs the
@@ -387,7 +389,7 @@ def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule, price
     """
     from host.costs.pricing import price_graph
 
-    priced = priced if priced is not None else price_graph(graph, profile)
+    priced = price_graph(graph, profile)
     seconds = joules = other_s = 0.0
     for instruction in schedule.instructions:
         n = instruction.node
