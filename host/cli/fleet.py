@@ -54,7 +54,8 @@ def cmd_serve(args, console: Console) -> int:
     try:  # SIGTERM may come at any moment from here on: host/cli/main.py raises KeyboardInterrupt for it
         try:
             running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir,
-                                        solve_time_limit_s=args.solve_time_limit, max_workers=args.max_workers)
+                                        solve_time_limit_s=args.solve_time_limit, max_workers=args.max_workers,
+                                        refine_profiles=not args.no_refine)
         except (CertError, StoreError) as error:
             raise CliError(str(error)) from None
         except RuntimeError as error:  # grpc: the address cannot be bound
@@ -524,6 +525,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-workers", type=positive_int, default=MAX_WORKERS, metavar="N",
                        help=f"server threads; each board holds about two (its long poll and its telemetry "
                             f"stream), so serve N/2 boards at once (default {MAX_WORKERS})")
+    serve.add_argument("--no-refine", action="store_true",
+                       help="do not refine calibrated boards' profiles from their TRAIN and VERIFY runs (by default "
+                            "each such run's telemetry refits the board's profile, stored as a new version when it "
+                            "predicts better)")
     serve.set_defaults(func=cmd_serve)
 
     fleet = sub.add_parser("fleet", help="list and remove the boards of the fleet",

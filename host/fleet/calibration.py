@@ -15,12 +15,19 @@
 
 The calibration is the coordinator's: it goes on when the operator's command exits. Its progress lives in the
 coordinator's memory (``GetCalibration``); a coordinator restarted mid-calibration forgets it (its runs stay in
-the store, and no version is stored). Telemetry of ordinary TRAIN jobs does not refine the fit yet.
+the store, and no version is stored).
+
+Ordinary TRAIN and VERIFY runs refine a calibrated board's fit (:class:`Refiner`): once such a run is done and its
+telemetry stored, the fit of the board's latest calibrated version is redone on the calibration runs plus the
+board's last :data:`REFINE_MAX_TRAIN_RUNS` such runs (even steps fitted, odd steps held out, as above). The refit is
+stored as a new version (provenance ``source: refinement``) only when it predicts the held-out steps of all those
+runs at least as well as the current version; the run's metrics say which (``refinement``).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -45,6 +52,8 @@ CALIBRATION_LR = 0.01
 POLL_S = 0.25
 RUN_TIMEOUT_S = 3600.0
 EVENTS_TIMEOUT_S = 60.0  # after a run's result, for its last telemetry events to be stored
+REFINE_MAX_TRAIN_RUNS = 8  # the newest ordinary runs a refinement fits beside the calibration runs
+REFINE_SOURCES = ("calibration", "refinement")  # versions a refinement builds on
 # (label, shares of the no-remat peak to try, runtime factor, no_paging, no_remat)
 SCHEDULES = (("keep-all", (1.0,), 1.2, False, False),
              ("remat-heavy", HEAVY_FRACTIONS_OF_PEAK, HEAVY_RUNTIME_FACTOR, True, False),
@@ -125,6 +134,21 @@ def runs_from_store(store, run_ids: Iterable[str], graph_for_run: Callable[[Any]
         runs.append(CalibrationRun(graph=graph_for_run(record), schedule=schedule_for_run(record),
                                    instructions=instructions, steps=steps))
     return runs
+
+
+def stored_runs(coordinator, run_ids: Iterable[str]) -> list:
+    """:func:`runs_from_store` with each run's graph and schedule rebuilt from its job as the coordinator stored it."""
+    from device_agent.serde import schedule_from_json
+
+    def graph_for_run(record):
+        spec = coordinator.spec(record.job_id)
+        return coordinator.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
+
+    def schedule_for_run(record):
+        spec = coordinator.spec(record.job_id)
+        return schedule_from_json(spec["schedules"][record.metrics["schedule_key"]], source=f"run {record.run_id}")
+
+    return runs_from_store(coordinator.store, run_ids, graph_for_run, schedule_for_run)
 
 
 def split_run(run, steps: Iterable[int]):
@@ -241,8 +265,9 @@ def _request(calibration: Calibration, **fields):
                                       optimizer=fleet_pb2.OPTIMIZER_SGD, **fields)
 
 
-def _wait(coordinator, calibration: Calibration, run_ids: Sequence[str], what: str) -> list:
-    """The runs once each ended (and, when done, once its telemetry is all stored)."""
+def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], what: str) -> list:
+    """The runs once each ended (and, when done, once its telemetry is all stored); progress goes to the
+    calibration's stage when there is one."""
     store = coordinator.store
     deadline = time.monotonic() + RUN_TIMEOUT_S
     settled_at: dict[str, float] = {}
@@ -262,16 +287,16 @@ def _wait(coordinator, calibration: Calibration, run_ids: Sequence[str], what: s
         if now > deadline:
             raise CalibrationFailed(f"{what}: runs {', '.join(r.run_id for r in waiting)} did not end within "
                                     f"{RUN_TIMEOUT_S:g} s; is the board online (`poet fleet list`)?")
-        progress = ", ".join(f"{r.run_id} {r.status} step {r.metrics.get('steps_done') or 0}" for r in waiting)
-        with calibration.lock:
-            calibration.stage = f"{what}: {progress}"
+        if calibration is not None:
+            progress = ", ".join(f"{r.run_id} {r.status} step {r.metrics.get('steps_done') or 0}" for r in waiting)
+            with calibration.lock:
+                calibration.stage = f"{what}: {progress}"
         time.sleep(POLL_S)
 
 
 def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     """The calibration's steps (module docstring); returns the report `poet calibrate --json` prints."""
     from device_agent.agent.datasets import SYNTHETIC_DATASET
-    from device_agent.serde import schedule_from_json
     from host.calibrate.fit import energy_mape, fit_profile, predict_step, step_time_mape
     from host.costs import PlatformProfile
 
@@ -330,15 +355,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         raise CalibrationFailed("every calibration run failed: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
 
-    def graph_for_run(record):
-        spec = coordinator.spec(record.job_id)
-        return coordinator.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
-
-    def schedule_for_run(record):
-        spec = coordinator.spec(record.job_id)
-        return schedule_from_json(spec["schedules"][record.metrics["schedule_key"]], source=f"run {record.run_id}")
-
-    runs = runs_from_store(store, done, graph_for_run, schedule_for_run)
+    runs = stored_runs(coordinator, done)
     fit_runs = [split_run(r, fit_steps) for r in runs]
     held_runs = [split_run(r, heldout_steps) for r in runs]
     if not any(r.steps for r in held_runs) or not any(r.instructions for r in fit_runs):
@@ -379,10 +396,89 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
             "profile_run_id": profile_run.run_id, "runs": planned, "seconds": round(time.time() - started, 3)}
 
 
+# ------------------------------------------------------------------------------------------ refinement
+class Refiner:
+    """Refines calibrated boards' profiles from their ordinary runs, one run at a time, in a thread of its own."""
+
+    def __init__(self, coordinator) -> None:
+        self._coordinator = coordinator
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="refine-profiles", daemon=True)
+        self._thread.start()
+
+    def run_done(self, run_id: str) -> None:
+        """A TRAIN or VERIFY run reported done: refine its board's profile once its telemetry is stored."""
+        self._queue.put(run_id)
+
+    def _serve(self) -> None:
+        while True:
+            run_id = self._queue.get()
+            try:
+                outcome = refine(self._coordinator, run_id)
+            except Exception as error:  # one failed refinement never stops the next
+                log.warning("refining the profile with run %s failed: %s", run_id, error, exc_info=True)
+                outcome = {"status": "failed", "detail": str(error) or type(error).__name__}
+            if outcome is not None:
+                self._coordinator.store.update_run(run_id, metrics={"refinement": outcome})
+            self._queue.task_done()
+
+
+def _split_halves(run):
+    """(fit half, held-out half) of a stored run, by :func:`fit_and_heldout_steps` of its last step."""
+    last = max((int(s["step"]) for s in run.steps), default=0)
+    fit_steps, heldout_steps = fit_and_heldout_steps(last)
+    return split_run(run, fit_steps), split_run(run, heldout_steps)
+
+
+def refine(coordinator, run_id: str) -> dict[str, Any] | None:
+    """Refit the run's board on its calibration runs plus its newest ordinary runs; store the refit when it
+    predicts their held-out steps at least as well. Returns what the run's metrics record (None: not a case)."""
+    from host.calibrate.fit import fit_profile, step_time_mape
+    from host.costs import PlatformProfile
+
+    store = coordinator.store
+    record = _wait(coordinator, None, [run_id], f"run {run_id}")[0]
+    if record.kind not in ("train", "verify") or record.status != "done":
+        return None
+    latest = store.latest_profile(record.agent)
+    if latest is None or latest.provenance.get("source") not in REFINE_SOURCES:
+        return {"status": "skipped", "detail": f"board {record.agent!r} has no calibrated profile yet (`poet "
+                                                 f"calibrate --agent {record.agent}`)"}
+    provenance = latest.provenance
+    if int(record.metrics.get("steps_done") or 0) < MIN_STEPS:
+        return {"status": "skipped", "detail": f"fewer than {MIN_STEPS} steps: nothing to hold out"}
+    calibration_ids = list(provenance.get("run_ids") or [])
+    train_ids = [r for r in provenance.get("train_run_ids") or [] if r != run_id]
+    train_ids = (train_ids + [run_id])[-REFINE_MAX_TRAIN_RUNS:]
+    base_version = int(provenance["base_version"])
+    base = PlatformProfile.from_dict(store.get_profile_version(record.agent, base_version).profile,
+                                     file_label=f"profile v{base_version} of {record.agent}")
+    current = PlatformProfile.from_dict(latest.profile, file_label=f"profile v{latest.version} of {record.agent}")
+    halves = [_split_halves(r) for r in stored_runs(coordinator, calibration_ids + train_ids)]
+    fit_runs = [fit for fit, _ in halves if fit.instructions]
+    held_runs = [held for _, held in halves if held.steps]
+    fitted = fit_profile(base, fit_runs, note=f"refinement of v{latest.version} of {record.agent} with {run_id}")
+    before, after = step_time_mape(current, held_runs), step_time_mape(fitted, held_runs)
+    outcome: dict[str, Any] = {"refined_version": latest.version, "step_mape_before": before,
+                               "step_mape_after": after, "train_run_ids": train_ids}
+    if after > before:
+        log.info("run %s: the refit of %s's profile predicts worse (%.1f%% against v%d's %.1f%%); v%d stays",
+                 run_id, record.agent, after, latest.version, before, latest.version)
+        return {"status": "kept", **outcome}
+    version = store.add_profile_version(record.agent, fitted.to_dict(), provenance={
+        "source": "refinement", "agent": record.agent, "base_version": base_version,
+        "refines_version": latest.version, "run_ids": calibration_ids, "train_run_ids": train_ids,
+        "calibration_id": provenance.get("calibration_id"), "step_mape_before": before, "step_mape_after": after,
+        "created_unix_s": time.time()})
+    log.info("run %s refined %s's profile: v%d (held-out step MAPE %.1f%% -> %.1f%%)", run_id, record.agent,
+             version.version, before, after)
+    return {"status": "stored", "profile_version": version.version, **outcome}
+
+
 def record_job(store, run_info) -> str:
     return store.get_run(run_info.run_id).job_id
 
 
-__all__ = ["DEFAULT_MODELS", "Calibration", "CalibrationFailed", "calibration_info", "fit_and_heldout_steps",
-           "instruction_from_payload", "runs_from_store", "split_run", "start_calibration", "step_from_payload",
-           "telemetry_steps"]
+__all__ = ["DEFAULT_MODELS", "Calibration", "CalibrationFailed", "Refiner", "calibration_info",
+           "fit_and_heldout_steps", "instruction_from_payload", "refine", "runs_from_store", "split_run",
+           "start_calibration", "step_from_payload", "stored_runs", "telemetry_steps"]

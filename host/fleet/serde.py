@@ -116,6 +116,13 @@ def run_info(record, spec: dict[str, Any] | None = None):
     for name in ("final_loss", "accuracy_before", "accuracy_after", "max_rel_param_diff", "last_loss"):
         if metrics.get(name) is not None:
             setattr(info, name, float(metrics[name]))
+    refinement = metrics.get("refinement")
+    if refinement:
+        info.refinement.CopyFrom(fleet_pb2.ProfileRefinement(
+            status=refinement.get("status", ""), profile_version=int(refinement.get("profile_version") or 0),
+            refined_version=int(refinement.get("refined_version") or 0), detail=refinement.get("detail") or "",
+            **{k: float(refinement[k]) for k in ("step_mape_before", "step_mape_after")
+               if refinement.get(k) is not None}))
     for name, values in (("predicted", record.predicted), ("measured", record.measured)):
         message = figures(values)
         if message is not None:
@@ -135,6 +142,8 @@ def run_info_to_json(info) -> dict[str, Any]:
                 out[name] = dict.fromkeys(FIGURE_KEYS)
         elif name == "profile":
             out[name] = profile_ref_to_json(info.profile) if info.HasField("profile") else None
+        elif name == "refinement":
+            out[name] = refinement_to_json(info.refinement) if info.HasField("refinement") else None
         elif name == "status":
             out[name] = RUN_STATUS_FROM_PB.get(info.status, "unknown")
         elif name == "kind":
@@ -144,6 +153,16 @@ def run_info_to_json(info) -> dict[str, Any]:
         else:
             out[name] = getattr(info, name)
     return out
+
+
+def refinement_to_json(refinement) -> dict[str, Any]:
+    """{"status", "profile_version", "refined_version", "step_mape_before", "step_mape_after", "detail"}; versions
+    and MAPEs null where they do not apply."""
+    return {"status": refinement.status, "profile_version": refinement.profile_version or None,
+            "refined_version": refinement.refined_version or None,
+            **{k: getattr(refinement, k) if refinement.HasField(k) else None
+               for k in ("step_mape_before", "step_mape_after")},
+            "detail": refinement.detail}
 
 
 def profile_ref_to_json(ref) -> dict[str, Any]:

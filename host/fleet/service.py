@@ -94,11 +94,13 @@ class Coordinator:
 
     ``packager`` is :func:`host.fleet.model_package.package_model` (injectable for tests);
     ``local_profile`` measures this machine once, for boards whose platform is neither measured nor shipped.
+    ``refine_profiles``: done TRAIN and VERIFY runs refine calibrated boards' profiles (host.fleet.calibration.Refiner).
     """
 
     def __init__(self, store: RunStore, state_dir: str | Path, *, packager: Callable[..., Any] | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-                 solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None):
+                 solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None,
+                 refine_profiles: bool = True):
         self.store = store
         self.state_dir = Path(state_dir)
         self.models_dir = self.state_dir / MODELS_DIR
@@ -122,6 +124,11 @@ class Coordinator:
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
         self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
+        self.refiner = None
+        if refine_profiles:
+            from host.fleet.calibration import Refiner
+
+            self.refiner = Refiner(self)
 
     # ------------------------------------------------------------------------------------ identity
     def caller(self, context, role: str) -> str:
@@ -439,6 +446,8 @@ class Coordinator:
                 version = self.store.add_profile_version(agent, profile, provenance=provenance)
                 update["metrics"].update(profile_name=profile.get("name"), profile_version=version.version)
             self.store.update_run(run.run_id, **update)
+        if self.refiner is not None and run.kind in ("train", "verify") and update["status"] == "done":
+            self.refiner.run_done(run.run_id)
 
     def _save_weights(self, run_id: str, weights) -> str:
         from device_agent.fileio import atomic_write_bytes

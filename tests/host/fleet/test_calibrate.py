@@ -8,7 +8,7 @@ import pytest
 from device_agent import protos
 from host.fleet import serde
 from host.fleet.calibration import fit_and_heldout_steps, telemetry_steps
-from tests.e2e.conftest import cert_dir, dump, fleet, shards  # noqa: F401 (fixtures)
+from tests.e2e.conftest import cert_dir, dump, fleet, shards, wait_until  # noqa: F401 (fixtures)
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
 schedule_pb2 = protos.load("poet.v1.schedule_pb2")
@@ -94,3 +94,30 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
         assert fleet.show(run["run_id"])["profile"]["version"] == 1
     after = fleet.submit("b1", steps=2)[0]
     assert after["profile"]["version"] == 2, dump(after)
+
+    # an ordinary run's telemetry refines the calibrated fit: refit on the calibration runs plus this run, stored
+    # as version 3 only when it predicts their held-out steps at least as well as version 2
+    short = fleet.wait_settled(after["run_id"])
+    trained = fleet.submit("b1", steps=8, wait=True, timeout_s=180)[0]
+    assert trained["status"] == "done", dump(trained)
+
+    def refined():
+        shown = fleet.show(trained["run_id"])
+        return shown["refinement"] is not None and shown
+
+    shown = wait_until(refined, 120, "the run's profile refinement", interval_s=0.5)
+    refinement = shown["refinement"]
+    assert refinement["status"] in ("stored", "kept"), dump(shown)
+    assert refinement["refined_version"] == 2 and refinement["step_mape_before"] >= 0, dump(shown)
+    versions = fleet.poet_json("profiles", "list", "--agent", "b1")["profiles"]
+    if refinement["status"] == "stored":
+        assert refinement["step_mape_after"] <= refinement["step_mape_before"], dump(shown)
+        assert refinement["profile_version"] == 3 and versions[-1]["version"] == 3, dump(versions)
+        assert versions[-1]["provenance"]["source"] == "refinement"
+        assert versions[-1]["provenance"]["train_run_ids"] == [trained["run_id"]], dump(versions)
+        assert versions[-1]["provenance"]["run_ids"] == provenance["run_ids"]
+    else:  # the refit predicted worse: version 2 stays the latest
+        assert refinement["step_mape_after"] > refinement["step_mape_before"], dump(shown)
+        assert [v["version"] for v in versions] == [1, 2], dump(versions)
+    # a two-step run has nothing to hold out: it is skipped, and says why
+    assert fleet.show(short["run_id"])["refinement"]["status"] == "skipped"
