@@ -194,6 +194,8 @@ class BoardFacts:
     meters: tuple[str, ...]
     runtime_rss_bytes: int
     agent_version: str
+    activation_arena_bytes: int = 0  # a microcontroller behind the serial bridge: its static activation arena
+    board: str = ""  # the serial bridge: the microcontroller it drives
 
     def register_request(self, fleet_pb2):
         """The RegisterRequest message (``fleet_pb2``: the generated module, passed to keep imports lazy)."""
@@ -203,6 +205,7 @@ class BoardFacts:
             memory_limit_bytes=self.memory_limit.bytes or 0, flash_capacity_bytes=self.flash_capacity_bytes,
             flash_free_bytes=self.flash_free_bytes, cpu_count=self.cpu_count, torch_version=self.torch_version,
             meters=list(self.meters), runtime_rss_bytes=self.runtime_rss_bytes, agent_version=self.agent_version,
+            activation_arena_bytes=self.activation_arena_bytes, board=self.board,
         )
 
 

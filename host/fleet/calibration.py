@@ -88,7 +88,7 @@ def step_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
         "step": int(event.get("step", 0)), "duration_s": float(event.get("duration_s", 0.0)),
         "optimizer_s": float(event.get("optimizer_s", 0.0)), "compute_s": float(event.get("compute_s", 0.0)),
         "paging_s": float(event.get("paging_s", 0.0)), "cpu_s": float(event.get("cpu_s", 0.0)),
-        "energy_source": event.get("energy_source", ""),
+        "energy_source": event.get("energy_source", ""), "timing_source": event.get("timing_source", ""),
     }
     if event.get("energy_j") is not None:
         out["energy_j"] = float(event["energy_j"])
@@ -447,6 +447,10 @@ def refine(coordinator, run_id: str) -> dict[str, Any] | None:
     provenance = latest.provenance
     if int(record.metrics.get("steps_done") or 0) < MIN_STEPS:
         return {"status": "skipped", "detail": f"fewer than {MIN_STEPS} steps: nothing to hold out"}
+    emulated = {s["timing_source"] for s in stored_runs(coordinator, [run_id])[0].steps if s["timing_source"]}
+    if emulated:
+        return {"status": "skipped", "detail": f"the run's step times are {', '.join(sorted(emulated))}, not the "
+                                                 "board's own: they would mislead its profile"}
     calibration_ids = list(provenance.get("run_ids") or [])
     train_ids = [r for r in provenance.get("train_run_ids") or [] if r != run_id]
     train_ids = (train_ids + [run_id])[-REFINE_MAX_TRAIN_RUNS:]

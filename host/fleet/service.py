@@ -479,12 +479,17 @@ class Coordinator:
 
 
 def auto_budget_bytes(facts: dict[str, Any], graph, optimizer: str = "sgd") -> int:
-    """`--ram-budget auto`: (memory limit, or available RAM) - fixed bytes - runtime RSS - AUTO_MARGIN_BYTES."""
+    """`--ram-budget auto`: (memory limit, or available RAM) - fixed bytes - runtime RSS - AUTO_MARGIN_BYTES; on a
+    microcontroller (the serial bridge), whose weights live outside its activation arena: the arena."""
+    if int(facts.get("activation_arena_bytes") or 0):
+        return int(facts["activation_arena_bytes"])
     limit = int(facts.get("memory_limit_bytes") or 0) or int(facts.get("ram_available_bytes") or 0)
     return limit - fixed_bytes(graph, optimizer) - int(facts.get("runtime_rss_bytes") or 0) - AUTO_MARGIN_BYTES
 
 
 def auto_budget_text(facts: dict[str, Any], graph, optimizer: str = "sgd") -> str:
+    if int(facts.get("activation_arena_bytes") or 0):
+        return f"auto = the microcontroller's activation arena, {auto_budget_bytes(facts, graph, optimizer)} bytes"
     limit = int(facts.get("memory_limit_bytes") or 0)
     source = "memory limit" if limit else "available RAM"
     limit = limit or int(facts.get("ram_available_bytes") or 0)

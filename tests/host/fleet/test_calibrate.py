@@ -35,7 +35,7 @@ def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
         _instruction(5, 1, compute, 0, duration_s=9.0),
         _step(6, 2, duration_s=9.0, energy_source="modelled:cpu-time×power"),
         _instruction(7, 0, compute, 0, duration_s=0.75),
-        _step(8, 2, duration_s=0.8, energy_source="modelled:cpu-time×power"),
+        _step(8, 2, duration_s=0.8, energy_source="modelled:cpu-time×power", timing_source="emulated:qemu"),
     ]
     assert payloads[1]["instruction"]["bytes_moved"] == str(1 << 40)  # as stored: 64-bit ints are strings
     instructions, steps = telemetry_steps(payloads)
@@ -44,8 +44,9 @@ def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
     assert instructions[1]["bytes_moved"] == 1 << 40 and instructions[0]["cpu_s"] == 0.4
     assert instructions[0]["node_name"] == "n0"
     assert steps[0] == {"step": 1, "duration_s": 1.0, "optimizer_s": 0.1, "compute_s": 0.0, "paging_s": 0.0,
-                        "cpu_s": 0.0, "energy_source": "measured:rapl", "energy_j": 2.0}
+                        "cpu_s": 0.0, "energy_source": "measured:rapl", "timing_source": "", "energy_j": 2.0}
     assert steps[1]["step"] == 2 and steps[1]["duration_s"] == 0.8 and "energy_j" not in steps[1]
+    assert steps[1]["timing_source"] == "emulated:qemu"  # the refinement skips runs timed by an emulator
 
 
 def test_fit_and_heldout_halves_interleave_after_the_warmup_step():
