@@ -220,9 +220,16 @@ class JobRunner:
                     progress(step)
                 if step % every == 0 or step == job.steps:
                     run.save_checkpoint(module, optimizer, step, data_index, meta)
+        self._finish_training(job, model_path, run, module, loaded.spec.loss_value, meta, dataset, heldout,
+                              batch_size, optimizer_name, energy_source, result)
+
+    def _finish_training(self, job, model_path: Path, run, module, loss_value: str, meta: dict, dataset, heldout,
+                         batch_size: int, optimizer_name: str, energy_source: str, result) -> None:
+        """After the last step, wherever it ran: accuracy, weights, the result's figures, collect and verify."""
         if not math.isfinite(meta["losses"][-1] if meta["losses"] else 0.0):
-            raise JobError(f"training diverged: the loss at step {step} is {meta['losses'][-1]}; lower --lr")
-        accuracy_after = self._accuracy(module, loaded.spec.loss_value, heldout, job.grouping, batch_size)
+            raise JobError(f"training diverged: the loss at step {len(meta['losses'])} is {meta['losses'][-1]}; "
+                           "lower --lr")
+        accuracy_after = self._accuracy(module, loss_value, heldout, job.grouping, batch_size)
         weights, weights_digest = run.save_weights("weights.safetensors", module)
         result.loss_per_step.extend(meta["losses"])
         if meta["accuracy_before"] is not None:
