@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="the board's torch threads (default 1: the coordinator and this bench share the "
                              "machine's cores with it)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin the board to a core of its own (by default, with 2+ cores and taskset, the "
+                             "board runs on the last core and the coordinator and the commands on the others: a real "
+                             "board does not share its CPU with the coordinator)")
     parser.add_argument("--dir", help="working directory, kept afterwards (default: a temporary one, removed)")
     parser.add_argument("--plot", metavar="DIR", help="write predicted-vs-measured plots into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -148,11 +152,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpu_split() -> tuple[list[int], list[int]]:
+    """(the board's cores, everything else's): the last usable core for the board, when there are 2+ and taskset."""
+    import shutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or shutil.which("taskset") is None:
+        return [], []
+    return cores[-1:], cores[:-1]
+
+
 def _measure(root: Path, args) -> tuple[dict, list[dict]]:
     """Start the fleet in ``root``, calibrate the board, run the unseen model; (calibration report, unseen rows)."""
     certs = root / "certs"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), POET_AGENT_MAX_BACKOFF_S="2")
     poet, agent = console_script("poet"), console_script("poet-agent")
+    board_cpus, host_cpus = _cpu_split() if args.pin else ([], [])
+    board_prefix = ["taskset", "-c", ",".join(map(str, board_cpus))] if board_cpus else []
+    if host_cpus:
+        os.sched_setaffinity(0, host_cpus)  # the coordinator and the commands inherit this process's cores
+        log(f"board pinned to core(s) {board_cpus}; coordinator and commands on {host_cpus}")
     run_command([poet, "certs", "init", "--dir", str(certs)], env)
     run_command([poet, "certs", "issue", "--dir", str(certs), "--node", BOARD], env)
     run_command([poet, "certs", "issue", "--dir", str(certs), "--operator", OPERATOR], env)
@@ -165,7 +184,7 @@ def _measure(root: Path, args) -> tuple[dict, list[dict]]:
                                          "--solve-time-limit", str(SOLVE_TIME_LIMIT_S)], env, echo=False)
         processes.append(server)
         address = server.wait_for("listening on").split("listening on", 1)[1].strip()
-        board = Process(BOARD, [agent, "run", "--coordinator", address, "--certs", str(certs / BOARD),
+        board = Process(BOARD, [*board_prefix, agent, "run", "--coordinator", address, "--certs", str(certs / BOARD),
                                 "--flash-dir", str(root / BOARD / "flash"), "--data-dir", str(root / BOARD / "data"),
                                 "--state-dir", str(root / BOARD / "state")], env, echo=False)
         processes.append(board)

@@ -312,30 +312,35 @@ def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun]
                         warmup_steps: int) -> PlatformProfile:
     """What a step takes beyond the priced computes, transfers, frees and optimizer, as the executor's
     overheads per step and per instruction, and the paging's cost outside its transfers (the kernel's
-    write-back, caches refilled after a page-in) per paged byte, which is added to both directions'
-    transfer costs so the solver sees it. Least squares on each step's relative error."""
+    write-back, caches refilled after a page-in) per transfer and per paged byte, which are added to both
+    directions' transfer latency and throughput so the solver sees them. Least squares on each step's
+    relative error."""
     rows, targets, scales = [], [], []
     for run in runs:
         instructions = run.schedule.instructions
-        transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in instructions
-                             if i.kind in ("page_in", "page_out"))
+        transfers = [i for i in instructions if i.kind in ("page_in", "page_out")]
+        transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in transfers)
         priced_s, _ = predict_step(profile, run.graph, run.schedule)
         for step in run.steps:
             duration_s = float(step.get("duration_s", 0.0))
             if int(step.get("step", 0)) <= warmup_steps or duration_s <= 0:
                 continue
-            rows.append([1.0, float(len(instructions)), float(transfer_bytes)])
+            rows.append([1.0, float(len(instructions)), float(len(transfers)), float(transfer_bytes)])
             targets.append(duration_s - priced_s)
             scales.append(duration_s)
     if len(rows) < 2:
         return profile
-    step_overhead_s, instruction_overhead_s, paging_s_per_byte = _nnls(rows, targets, scales)
+    step_overhead_s, instruction_overhead_s, paging_s_per_transfer, paging_s_per_byte = _nnls(rows, targets, scales)
     sources = dict(profile.sources)
     changes = {"step_overhead_s": float(step_overhead_s), "instruction_overhead_s": float(instruction_overhead_s)}
     for key in ("step_overhead_s", "instruction_overhead_s"):
         sources[f"step.{key}"] = f"{note}: step time beyond the priced instructions, least squares"
-    if paging_s_per_byte > 0:
-        for kind in ("page_in", "page_out"):
+    for kind in ("page_in", "page_out"):
+        if paging_s_per_transfer > 0:
+            changes[f"{kind}_latency_s"] = getattr(profile, f"{kind}_latency_s") + float(paging_s_per_transfer)
+            sources[f"{kind}.latency_s"] = (f"{note}: transfers' least squares, plus {paging_s_per_transfer * 1e3:.3g} "
+                                            "ms the steps took beyond the transfers per page moved")
+        if paging_s_per_byte > 0:
             throughput = getattr(profile, f"{kind}_throughput_bytes_per_s")
             changes[f"{kind}_throughput_bytes_per_s"] = 1.0 / (1.0 / throughput + float(paging_s_per_byte))
             sources[f"{kind}.throughput_bytes_per_s"] = (
