@@ -7,8 +7,15 @@ DEMO_DIR ?= out/demo
 
 .PHONY: setup demo test test-fast lint bench clean
 
+# Debian packages for the Cortex-M firmware: its cross compiler and C library, QEMU's mps2-an386 board, and
+# nanopb's generator with protoc (nanopb's C runtime comes from Debian's source archive: `make deps` there).
+FIRMWARE_DIR := device_agent/firmware/cortex_m
+FIRMWARE_DEBS := gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm nanopb protobuf-compiler
+
 setup: $(STAMP)
 	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || { apt-get update && apt-get install -y --no-install-recommends postgresql; } || echo "PostgreSQL not installed: the run store's PostgreSQL tests will skip"
+	@dpkg -s $(FIRMWARE_DEBS) >/dev/null 2>&1 || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(FIRMWARE_DEBS); }
+	@$(MAKE) -s -C $(FIRMWARE_DIR) deps
 
 # Idempotent: re-runs only when the project metadata or the pins change. The protobuf stubs are
 # committed (regenerate with `$(BIN)/python -m device_agent.protos` after editing a .proto).
