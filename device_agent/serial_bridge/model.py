@@ -18,7 +18,11 @@ mcu_pb2 = protos.load("poet.v1.mcu_pb2")
 
 # torch ops the firmware runs, per group: what the whole group must be
 _LINEAR, _RELU, _CROSS_ENTROPY = "aten.linear.default", "aten.relu.default", "aten.cross_entropy_loss.default"
-_SHAPE_ONLY = {"aten.reshape.default", "aten.view.default", "aten.flatten.using_ints"}  # no arithmetic
+_SHAPE_ONLY = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default",
+               "aten.flatten.using_ints"}  # no arithmetic
+# aten.cross_entropy_loss(input, target, weight=None, reduction=Mean(1), ignore_index=-100, label_smoothing=0.0)
+_CROSS_ENTROPY_OPTIONS = ("weight", "reduction", "ignore_index", "label_smoothing")
+_CROSS_ENTROPY_DEFAULTS = (None, 1, -100, 0.0)
 
 
 class McuModelError(ValueError):
@@ -47,6 +51,10 @@ def _target(node) -> str:
 def mcu_model(module: GraphModule, grouping, schedule, *, learning_rate: float, momentum: float = 0.0) -> McuProgram:
     """The McuModel for ``module`` split by ``grouping`` (poet.v1.NodeGrouping) under ``schedule``
     (device_agent.schedule.Schedule), trained with SGD(learning_rate, momentum)."""
+    if not learning_rate > 0:
+        raise McuModelError(f"the learning rate must be positive, not {learning_rate}")
+    if not 0 <= momentum < 1:
+        raise McuModelError(f"momentum must be in [0, 1), not {momentum}")
     nodes = {node.name: node for node in module.graph.nodes}
     parameters = dict(module.named_parameters())
     layers, params = [], []
@@ -64,6 +72,7 @@ def mcu_model(module: GraphModule, grouping, schedule, *, learning_rate: float, 
             if arithmetic != [_CROSS_ENTROPY]:
                 raise McuModelError(f"the loss must be one cross-entropy for the firmware; node {group.name!r} "
                                     f"runs {', '.join(targets)}")
+            _check_cross_entropy(next(nodes[op] for op in group.ops if _target(nodes[op]) == _CROSS_ENTROPY))
             layers.append(mcu_pb2.McuLayer(op=mcu_pb2.MCU_LAYER_OP_CROSS_ENTROPY, in_features=grouping.num_classes,
                                            out_features=grouping.num_classes))
         elif arithmetic == [_LINEAR]:
@@ -95,6 +104,16 @@ def mcu_model(module: GraphModule, grouping, schedule, *, learning_rate: float, 
     model = mcu_pb2.McuModel(layers=layers, node_layer=node_layer, batch_size=batch_shape[0],
                              num_classes=grouping.num_classes, learning_rate=learning_rate, momentum=momentum)
     return McuProgram(model, tuple(params))
+
+
+def _check_cross_entropy(loss) -> None:
+    """The firmware computes the plain mean softmax cross-entropy: no class weights, ignore_index or smoothing."""
+    given = dict(zip(_CROSS_ENTROPY_OPTIONS, loss.args[2:], strict=False))
+    given.update((key, value) for key, value in loss.kwargs.items() if key in _CROSS_ENTROPY_OPTIONS)
+    for key, value in given.items():
+        if value != _CROSS_ENTROPY_DEFAULTS[_CROSS_ENTROPY_OPTIONS.index(key)]:
+            raise McuModelError(f"the cross-entropy sets {key}={value!r}; the firmware computes the plain mean over "
+                                "the batch (torch.nn.functional.cross_entropy with its defaults)")
 
 
 def _check_chain(schedule, grouping, layers) -> None:

@@ -1,12 +1,6 @@
-"""Training on a microcontroller: the McuModel the Cortex-M firmware runs, and the PyTorch reference it matches."""
+"""Training on a microcontroller from the host: `poet mcu run` (build the firmware, boot QEMU, solve for the
+board, train, compare), and the PyTorch reference the board's parameters are compared with."""
 
-from host.mcu.model import (
-    McuModelError,
-    McuSpec,
-    TorchReference,
-    initial_params,
-    max_relative_difference,
-    mcu_spec,
-)
+from host.mcu.model import McuModelError, TorchReference, max_relative_difference
 
-__all__ = ["McuModelError", "McuSpec", "TorchReference", "initial_params", "max_relative_difference", "mcu_spec"]
+__all__ = ["McuModelError", "TorchReference", "max_relative_difference"]

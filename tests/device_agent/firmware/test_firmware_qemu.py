@@ -20,15 +20,17 @@ import pytest
 import torch
 from torch import nn
 
+from device_agent.agent.program import load_module
 from device_agent.replay import replay
 from device_agent.schedule import Schedule
 from device_agent.serde import schedule_to_proto
 from device_agent.serial_bridge.board import McuBoard, McuBoardError, schedule_pb2
 from device_agent.serial_bridge.link import Link
+from device_agent.serial_bridge.model import mcu_model, parameter_tensors
 from device_agent.serial_bridge.qemu import QemuBoard
+from host.fleet.model_package import package_model
 from host.graph import zoo
-from host.graph.trace import trace_model
-from host.mcu import McuModelError, TorchReference, initial_params, max_relative_difference, mcu_spec
+from host.mcu import McuModelError, TorchReference, max_relative_difference
 
 FIRMWARE_DIR = Path(__file__).resolve().parents[3] / "device_agent" / "firmware" / "cortex_m"
 ELF = FIRMWARE_DIR / "build" / "poet_fw.elf"
@@ -81,15 +83,17 @@ def _solve(batch_size: int, ram_budget, **options) -> Schedule:
 
 
 class Setup:
-    """The mlp at one batch size: traced, its McuModel, its initial weights, a PyTorch reference, its batches."""
+    """The mlp at one batch size, as a board receives it: the exported program and its grouping (as the coordinator
+    packages it), its McuModel, its initial weights, a PyTorch reference, its batches."""
 
-    def __init__(self, batch_size: int, schedule: Schedule) -> None:
-        self.bundle = zoo.ZOO["mlp"].bundle(batch_size=batch_size)
-        self.spec = mcu_spec(trace_model(self.bundle), self.bundle.module, learning_rate=LR, momentum=MOMENTUM,
-                             schedule=schedule)
-        self.initial = {(layer, tensor): values.reshape(-1)
-                        for layer, tensor, values in initial_params(self.spec, self.bundle.module)}
-        self.reference = TorchReference(self.spec, self.bundle.module, self.bundle.loss_fn)
+    def __init__(self, batch_size: int, schedule: Schedule, cache_dir: Path) -> None:
+        package = package_model("mlp", cache_dir, batch_size=batch_size)
+        assert package.graph.fingerprint() == schedule.graph_fingerprint
+        self.module = load_module(package.path)
+        self.program = mcu_model(self.module, package.grouping, schedule, learning_rate=LR, momentum=MOMENTUM)
+        self.params = parameter_tensors(self.module, self.program)
+        self.initial = {(layer, tensor): values.reshape(-1).clone() for layer, tensor, values in self.params}
+        self.reference = TorchReference(self.module, self.program)
         self.generator = torch.Generator().manual_seed(batch_size)
         self.batch_size = batch_size
         self.step = 0
@@ -101,10 +105,10 @@ class Setup:
 
     def start(self, mcu, schedule: Schedule, *, weights: bool = True) -> None:
         """Load the model and the schedule; send the initial weights (without them the board's are zeros)."""
-        mcu.load_model(self.spec.model)
+        mcu.load_model(self.program.model)
         mcu.load_schedule(schedule)
         if weights:
-            mcu.write_params(initial_params(self.spec, self.bundle.module))
+            mcu.write_params(self.params)
         else:
             self.initial = {key: torch.zeros_like(values) for key, values in self.initial.items()}
 
@@ -168,12 +172,12 @@ def test_c_page_store_arena_and_link_on_the_host(tmp_path):
 
 @pytest.mark.slow  # ~12 s: 104 KB of weights cross the emulated UART at ~30 KB/s
 @needs_toolchain
-def test_keep_all_and_recompute_schedules_train_like_torch(board):
+def test_keep_all_and_recompute_schedules_train_like_torch(board, tmp_path):
     mcu, _ = board
     keep_all = _solve(8, "100%")
     remat = _solve(8, 12288)  # the minimum RAM of the graph: recomputes two forward nodes
     assert keep_all.counts()["recomputes"] == 0 and remat.counts()["recomputes"] > 0
-    setup = Setup(8, keep_all)
+    setup = Setup(8, keep_all, tmp_path)
     setup.start(mcu, keep_all)
     first = _train(mcu, setup, keep_all)
     assert first["high_water_bytes"] == 16384
@@ -185,7 +189,7 @@ def test_keep_all_and_recompute_schedules_train_like_torch(board):
 
 @pytest.mark.slow  # ~12 s: 104 KB of weights cross the emulated UART at ~30 KB/s
 @needs_toolchain
-def test_paging_schedule_trains_where_plain_training_does_not_fit(board):
+def test_paging_schedule_trains_where_plain_training_does_not_fit(board, tmp_path):
     """Batch 160: plain training needs 320 KiB of activations, more than the board's 256 KiB arena. The keep-all
     schedule is refused by the board; the POET schedule at 250,000 bytes pages to flash and trains as torch."""
     mcu, qemu = board
@@ -194,7 +198,7 @@ def test_paging_schedule_trains_where_plain_training_does_not_fit(board):
     paging = _solve(160, 250_000, remat=False)
     assert keep_all.ram_budget_bytes > info.arena_bytes >= paging.ram_budget_bytes
     assert paging.counts()["page_outs"] >= 1 and paging.counts()["recomputes"] == 0
-    setup = Setup(160, paging)
+    setup = Setup(160, paging, tmp_path)
     setup.start(mcu, keep_all)
     inputs, labels = setup.batch()
     with pytest.raises(McuBoardError, match=r"instruction \d+ \(compute node \d+ .*arena full"):
@@ -208,14 +212,14 @@ def test_paging_schedule_trains_where_plain_training_does_not_fit(board):
 
 
 @needs_toolchain
-def test_corrupted_page_is_refused_on_page_in(board):
+def test_corrupted_page_is_refused_on_page_in(board, tmp_path):
     """Between the page-out and the page-in of node 2 one byte of its page changes in the flash file: the board
     refuses the page-in with the CRC-32, leaves the parameters alone, and the next clean step runs."""
     mcu, qemu = board
     paging = _solve(8, 12288, remat=False)
     page_out = next(i for i in paging.instructions if i.kind == "page_out")
     page_in_at = next(p for p, i in enumerate(paging.instructions) if i.kind == "page_in" and i.node == page_out.node)
-    setup = Setup(8, paging)
+    setup = Setup(8, paging, tmp_path)
     setup.start(mcu, paging, weights=False)  # zero weights still page the same bytes: spare the upload
     flash = qemu.flash_dir / FLASH_FILE
     corrupted = []
@@ -247,12 +251,12 @@ def test_corrupted_page_is_refused_on_page_in(board):
 
 
 @needs_toolchain
-def test_board_refuses_what_breaks_the_schedule(board):
+def test_board_refuses_what_breaks_the_schedule(board, tmp_path):
     """McuError names the instruction's position and node: an op writing more than its node declares, a compute
     whose inputs are not in RAM, a free of a copy that is not there, a schedule for another graph."""
     mcu, _ = board
     keep_all = _solve(8, "100%")
-    setup = Setup(8, keep_all)
+    setup = Setup(8, keep_all, tmp_path)
     setup.start(mcu, keep_all, weights=False)
     inputs, labels = setup.batch()
 
@@ -284,18 +288,29 @@ def test_board_refuses_what_breaks_the_schedule(board):
     assert max_relative_difference(mcu.read_params(), setup.initial) == 0.0
 
 
-def test_mcu_spec_refuses_what_the_firmware_cannot_train():
-    bundle = zoo.ZOO["mlp"].bundle(batch_size=4)
-    traced = trace_model(bundle)
-    spec = mcu_spec(traced, bundle.module, learning_rate=0.1)
-    assert [layer.op for layer in spec.model.layers] == [1, 2, 3, 2, 3, 2, 4]
-    assert list(spec.model.node_layer) == [0, 1, 2, 3, 4, 5, 6, 6, 5, 4, 3, 2, 1]
-    assert spec.linear_paths == {1: "0", 3: "2", 5: "4"}
-    tanh = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10))
-    with pytest.raises(McuModelError, match=r"module '1' is Tanh; the firmware trains nn.Linear and nn.ReLU only"):
-        mcu_spec(traced, tanh, learning_rate=0.1)
-    no_bias = nn.Sequential(nn.Linear(64, 10, bias=False))
-    with pytest.raises(McuModelError, match=r"module '0' is nn.Linear without a bias"):
-        mcu_spec(traced, no_bias, learning_rate=0.1)
-    with pytest.raises(McuModelError, match=r"this model is Linear"):
-        mcu_spec(traced, nn.Linear(64, 10), learning_rate=0.1)
+def _program(module: nn.Module, tmp_path: Path, loss_fn=None, **options):
+    """The McuModel of ``module`` on a batch of 4 x 64, as a board receives it (packaged, then mapped)."""
+    from poet_edge import solve
+
+    bundle = zoo.ModelBundle("m", module, (torch.randn(4, 64),), torch.randint(0, 10, (4,)),
+                             loss_fn or zoo.default_loss)
+    package = package_model(bundle, tmp_path)
+    schedule = solve(model=bundle, platform="m4", ram_budget="100%", time_limit_s=60, solve_threads=1).schedule
+    return mcu_model(load_module(package.path), package.grouping, schedule, learning_rate=0.1, **options)
+
+
+def test_the_mapping_refuses_what_the_firmware_cannot_train(tmp_path):
+    program = _program(zoo.ZOO["mlp"].bundle().module, tmp_path)
+    assert [layer.op for layer in program.model.layers] == [1, 2, 3, 2, 3, 2, 4]
+    assert list(program.model.node_layer) == [0, 1, 2, 3, 4, 5, 6, 6, 5, 4, 3, 2, 1]
+    assert [(p.layer, p.weight_name) for p in program.params] == [(1, "model.0.weight"), (3, "model.2.weight"),
+                                                                 (5, "model.4.weight")]
+    with pytest.raises(McuModelError, match=r"node '1' runs aten.tanh.default; the firmware trains linear, ReLU"):
+        _program(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), tmp_path)
+    with pytest.raises(McuModelError, match=r"node '0': the firmware's linear layers have a bias"):
+        _program(nn.Sequential(nn.Linear(64, 10, bias=False)), tmp_path)
+    smoothed = lambda output, labels: nn.functional.cross_entropy(output, labels, label_smoothing=0.1)  # noqa: E731
+    with pytest.raises(McuModelError, match=r"the cross-entropy sets label_smoothing=0.1"):
+        _program(nn.Sequential(nn.Linear(64, 10)), tmp_path, smoothed)
+    with pytest.raises(McuModelError, match=r"momentum must be in \[0, 1\)"):
+        _program(nn.Sequential(nn.Linear(64, 10)), tmp_path, momentum=1.5)
