@@ -50,7 +50,8 @@ def _target(node) -> str:
 
 def mcu_model(module: GraphModule, grouping, schedule, *, learning_rate: float, momentum: float = 0.0) -> McuProgram:
     """The McuModel for ``module`` split by ``grouping`` (poet.v1.NodeGrouping) under ``schedule``
-    (device_agent.schedule.Schedule), trained with SGD(learning_rate, momentum)."""
+    (device_agent.schedule.Schedule, or the TrainingGraph it was solved for: the same nodes and deps), trained
+    with SGD(learning_rate, momentum)."""
     if not learning_rate > 0:
         raise McuModelError(f"the learning rate must be positive, not {learning_rate}")
     if not 0 <= momentum < 1:

@@ -12,11 +12,11 @@ import argparse
 import signal
 import sys
 
-from host.cli import catalog, certs, fleet, solve, train
+from host.cli import catalog, certs, fleet, mcu, solve, train
 from host.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CliError, Console
 from host.cli.display import LiveStatus
 
-COMMAND_GROUPS = (catalog, solve, train, certs, fleet)  # each registers its commands
+COMMAND_GROUPS = (catalog, solve, train, certs, fleet, mcu)  # each registers its commands
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,3 +55,14 @@ def small_cnn_images() -> ModelBundle:
     inputs = torch.randn(8, 3, 32, 32)
     return ModelBundle(name="small_cnn_images", module=module, inputs=(inputs,), labels=seeded_labels((8, 10), 0),
                        loss_fn=default_loss)
+
+
+def tiny_mlp() -> ModelBundle:
+    """A 16 -> 16 -> ReLU -> 4 classifier, batch 4: 340 parameters, for a microcontroller's link at its worst
+    (`poet mcu run --model host.graph.examples:tiny_mlp --link-corrupt 1%`)."""
+    from host.graph.zoo import default_loss, seeded_labels
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return ModelBundle(name="tiny_mlp", module=module, inputs=(torch.randn(4, 16),), labels=seeded_labels((4, 4), 0),
+                       loss_fn=default_loss)

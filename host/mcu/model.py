@@ -9,6 +9,7 @@ program with torch.optim.SGD on the same batches; :func:`max_relative_difference
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch.fx import GraphModule
@@ -23,7 +24,9 @@ class TorchReference:
     it: the mean cross-entropy, then SGD(learning_rate, momentum) from the McuModel."""
 
     def __init__(self, module: GraphModule, program: McuProgram) -> None:
-        self.module = copy.deepcopy(module)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying an exported module
+            warnings.simplefilter("ignore", FutureWarning)
+            self.module = copy.deepcopy(module)
         self.program = program
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=float(program.model.learning_rate),
                                          momentum=float(program.model.momentum))

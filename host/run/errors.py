@@ -39,6 +39,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ("host.graph.trace", "TraceError"),
         ("device_agent.profiling", "LocalBenchError"),
         ("host.solver.backends.pulp_backend", "SolverUnavailableError"),
+        ("device_agent.serial_bridge.model", "McuModelError"),  # a model the firmware cannot train
+        ("device_agent.serial_bridge.board", "McuBoardError"),  # the board refused a request, saying why
+        ("device_agent.serial_bridge.link", "LinkError"),  # no board answers on the line
+        ("device_agent.serial_bridge.qemu", "QemuError"),  # QEMU missing or not starting
     )
     for module_name, name in optional:  # modules with optional dependencies
         try:
