@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -189,6 +190,112 @@ def _run_agent(args) -> int:
     return agent.run()
 
 
+def _add_bridge(sub) -> None:
+    bridge = sub.add_parser(
+        "bridge", help="present a microcontroller on a serial line to the coordinator as an agent",
+        description="Connect to poet-edge firmware over a serial line (a port such as /dev/ttyACM0, or QEMU's "
+        "socket://127.0.0.1:PORT), register it with the coordinator (its activation arena, flash and platform), "
+        "and run its jobs on it: weights, the schedule and each step's batch go to the board (batches from "
+        "--data-dir, which never leaves this machine), its telemetry goes to the coordinator. Runs until "
+        "SIGTERM / Ctrl-C. Exit codes: 0 stopped, 1 internal error, 2 bad arguments or no board, 3 refused by the "
+        "coordinator.",
+    )
+    bridge.add_argument("--serial", required=True, metavar="URL",
+                        help="the board's serial line: a device (/dev/ttyACM0) or a pyserial URL (socket://HOST:PORT)")
+    bridge.add_argument("--baud", type=int, default=115200, help="baud rate of a real port (default: 115200)")
+    bridge.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    bridge.add_argument("--certs", required=True, metavar="BUNDLE_DIR",
+                        help="this board's certificate bundle (ca.pem, cert.pem, key.pem from `poet certs`)")
+    bridge.add_argument("--data-dir", required=True, help="the board's datasets (see `poet-agent datasets`)")
+    bridge.add_argument("--state-dir", required=True,
+                        help="telemetry buffer, model archives and results (created if missing)")
+    bridge.add_argument("--board", metavar="NAME",
+                        help="the board expected on the line, e.g. mps2-an386 (default: whatever answers)")
+    bridge.add_argument("--platform", default="m4",
+                        help="the profile the board is priced on (default: m4, a Cortex-M4F)")
+    bridge.add_argument("--connect-timeout-s", type=float, default=30.0, metavar="S",
+                        help="how long to wait for the board to answer (default: 30)")
+    bridge.add_argument("--max-backoff-s", type=float, default=_default_max_backoff_s(), metavar="S",
+                        help="cap of the reconnect backoff to the coordinator")
+
+
+def _run_bridge(args) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from device_agent.agent.client import EXIT_INTERRUPTED, Agent, AgentConfig
+    from device_agent.agent.credentials import CertError, load_bundle
+    from device_agent.serial_bridge.board import McuBoard, McuBoardError, McuProtocolError
+    from device_agent.serial_bridge.bridge import McuJobRunner, board_facts
+    from device_agent.serial_bridge.link import DEFAULT_ACK_TIMEOUT_S, Link, LinkError
+
+    try:
+        _check_target(args.coordinator)
+        load_bundle(args.certs)
+        if not (args.connect_timeout_s > 0) or args.connect_timeout_s == float("inf"):
+            raise ValueError(f"--connect-timeout-s must be a positive number of seconds, not {args.connect_timeout_s}")
+        if not (args.max_backoff_s > 0) or args.max_backoff_s == float("inf"):
+            raise ValueError(f"--max-backoff-s must be a positive number of seconds, not {args.max_backoff_s}")
+        if args.baud <= 0:
+            raise ValueError(f"--baud must be a positive number, not {args.baud}")
+        if "://" not in args.serial and not os.path.exists(args.serial):
+            raise ValueError(f"no serial device {args.serial}: plug the board in, or give its port (e.g. "
+                             "/dev/ttyACM0) or a pyserial URL (socket://HOST:PORT for QEMU)")
+        data_dir = _check_dir("--data-dir", args.data_dir, create=False)
+        state_dir = _check_dir("--state-dir", args.state_dir, create=True)
+    except (ValueError, CertError) as exc:
+        print(f"poet-agent bridge: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def connect(max_retries: int | None = None):
+        """A fresh session with the board: (McuBoard, McuBoardInfo); the caller closes ``board.link``."""
+        options = {} if max_retries is None else {"max_retries": max_retries}
+        link = Link.connect(args.serial, baudrate=args.baud, **options)
+        try:
+            board = McuBoard(link)
+            info = board.hello()
+            if args.board and info.board != args.board:
+                raise ValueError(f"the board on {args.serial} is {info.board!r}, not {args.board!r} (--board); "
+                                 "check the port, or drop --board to take whatever answers")
+        except BaseException:
+            link.close()
+            raise
+        return board, info
+
+    deadline = time.monotonic() + args.connect_timeout_s
+    while True:
+        # each hello gives up by the deadline: its resends are spread over what is left of the wait
+        remaining_s = deadline - time.monotonic()
+        try:
+            board, info = connect(max_retries=max(1, int(remaining_s / DEFAULT_ACK_TIMEOUT_S)))
+            board.link.close()
+            break
+        except (ValueError, McuBoardError, McuProtocolError) as exc:
+            print(f"poet-agent bridge: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except (LinkError, OSError) as exc:
+            if time.monotonic() + 0.5 > deadline:
+                reason = re.split(r"[:;] check ", " ".join(str(exc).split()))[0]  # the advice follows
+                print(f"poet-agent bridge: no poet-edge firmware answered on {args.serial} within "
+                      f"{args.connect_timeout_s:g} s ({reason}); check the port, the baud rate and that the board "
+                      "runs the firmware (device_agent/firmware/cortex_m)", file=sys.stderr)
+                return EXIT_USAGE
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+    config = AgentConfig(coordinator=args.coordinator, certs=Path(args.certs), flash_dir=state_dir,
+                         data_dir=data_dir, state_dir=state_dir, platform=args.platform,
+                         max_backoff_s=args.max_backoff_s)
+    agent: Agent | None = None
+    runner = McuJobRunner(connect, data_dir=data_dir, state_dir=state_dir, platform=args.platform,
+                          log=lambda message: agent.log(message), reconnect_timeout_s=args.connect_timeout_s)
+    runner.session_id = int(info.session_id)
+    agent = Agent(config, runner=runner, facts=board_facts(info, platform=args.platform))
+    agent.log(f"bridging {info.board} on {args.serial}: arena {info.arena_bytes} bytes, flash {info.flash_bytes} "
+              f"bytes, session {info.session_id:#010x}{' (emulated)' if info.emulated else ''}")
+    signal.signal(signal.SIGTERM, lambda *_: agent.request_stop(EXIT_OK))
+    signal.signal(signal.SIGINT, lambda *_: agent.request_stop(EXIT_INTERRUPTED))
+    return agent.run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poet-agent", description="poet-edge device agent",
@@ -198,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the agent version")
     _add_run(sub)
+    _add_bridge(sub)
     _add_datasets(sub)
     _add_meters(sub)
     return parser
@@ -257,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "run":
         return _run_agent(args)
+    if args.command == "bridge":
+        return _run_bridge(args)
     if args.command == "meters":
         return _run_meters(args)
     from device_agent.agent.datasets import DatasetError

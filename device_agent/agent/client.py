@@ -270,6 +270,9 @@ class Agent:
             self.log(f"registered with {self.config.coordinator} (platform {self._facts.platform}, {memory})")
 
     def _live_memory_and_flash(self) -> tuple[int, int]:
+        if self._facts is not None and self._facts.board:
+            # the agent drives another board (the serial bridge): its memory and flash, not this machine's
+            return int(self._facts.ram_available_bytes), int(self._facts.flash_free_bytes)
         import psutil
 
         try:

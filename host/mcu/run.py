@@ -74,6 +74,9 @@ def build_firmware(log: Callable[[str], None] = lambda message: None, build_dir:
     """The firmware ELF, built (incrementally) with its Makefile; a clear error when the toolchain is missing."""
     import shutil
 
+    if not (FIRMWARE_DIR / "Makefile").is_file():
+        raise InputError("the firmware's sources come with a checkout of poet-edge (device_agent/firmware/cortex_m), "
+                         "not with the wheel: run from a checkout, or pass --serial URL to a board already flashed")
     missing = [tool for tool in ("make", "arm-none-eabi-gcc", "protoc") if shutil.which(tool) is None]
     if missing:
         raise InputError(f"cannot build the firmware: {', '.join(missing)} not found; run `make setup`, which "

@@ -86,6 +86,7 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
     probe = textwrap.dedent(f"""
         import dataclasses, importlib.metadata, importlib.util, json
         import device_agent
+        import device_agent.serial_bridge.bridge  # the serial bridge installs with the agent, without the solver
         from device_agent.serde import read_schedule_file
 
         def installed(name):
