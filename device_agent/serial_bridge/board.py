@@ -90,9 +90,14 @@ class McuBoard:
 
     # -- the protocol ---------------------------------------------------------------------------------------
 
-    def hello(self, timeout_s: float = 10.0):
-        """Open the link's session; returns the board's McuBoardInfo (also kept as ``.info``)."""
-        hello = mcu_pb2.McuMessage(hello=mcu_pb2.McuHello(protocol_version=PROTOCOL_VERSION))
+    def hello(self, timeout_s: float = 10.0, *, max_fragment_bytes: int = 0, ack_timeout_ms: int = 0):
+        """Open the link's session; returns the board's McuBoardInfo (also kept as ``.info``).
+
+        ``max_fragment_bytes`` and ``ack_timeout_ms`` set the board's side of the link from the hello on (0: its
+        defaults, 4096 and 100 ms); the link's own ``fragment_bytes`` and ``ack_timeout_s`` set the host's."""
+        hello = mcu_pb2.McuMessage(hello=mcu_pb2.McuHello(protocol_version=PROTOCOL_VERSION,
+                                                          max_fragment_bytes=int(max_fragment_bytes),
+                                                          ack_timeout_ms=int(ack_timeout_ms)))
         reply = mcu_pb2.McuMessage()
         reply.ParseFromString(self.link.open(hello.SerializeToString(), timeout_s=timeout_s))
         kind = reply.WhichOneof("body")

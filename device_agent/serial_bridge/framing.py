@@ -1,5 +1,8 @@
 """The serial link's frames: 0x7E, HDLC-escaped body, 0x7E; body = kind, flags, seq, session, payload, CRC-32.
 
+flags bit 0 (FLAG_MORE) on a DATA frame: the message continues in the next DATA frame (the next seq); a message
+is one or more DATA frames, MORE on all but the last, and at most MAX_PAYLOAD_BYTES in all. The other bits are 0.
+
 The firmware (device_agent/firmware/cortex_m) encodes the same bytes; the two must change together.
 """
 from __future__ import annotations
@@ -9,7 +12,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = [
-    "CRC_BYTES", "ESCAPE", "ESCAPE_XOR", "FLAG", "HEADER_BYTES", "KIND_ACK", "KIND_DATA", "KINDS",
+    "CRC_BYTES", "ESCAPE", "ESCAPE_XOR", "FLAG", "FLAG_MORE", "FRAME_OVERHEAD_BYTES", "HEADER_BYTES", "KIND_ACK", "KIND_DATA", "KINDS",
     "MAX_BODY_BYTES", "MAX_PAYLOAD_BYTES", "MIN_BODY_BYTES", "SEQ_MODULO", "Frame", "FrameDecoder",
     "decode_body", "encode_frame", "escape", "max_frame_wire_bytes",
 ]
@@ -20,11 +23,13 @@ ESCAPE_XOR = 0x20
 KIND_DATA = 1
 KIND_ACK = 2
 KINDS = frozenset((KIND_DATA, KIND_ACK))
+FLAG_MORE = 0x01  # flags: the message goes on in the next DATA frame
 HEADER_BYTES = 8
 CRC_BYTES = 4
 MAX_PAYLOAD_BYTES = 4096
 MIN_BODY_BYTES = HEADER_BYTES + CRC_BYTES
 MAX_BODY_BYTES = MIN_BODY_BYTES + MAX_PAYLOAD_BYTES
+FRAME_OVERHEAD_BYTES = MIN_BODY_BYTES + 2  # header, CRC and the two flags, before escapes
 SEQ_MODULO = 1 << 16
 _HEADER = struct.Struct("<BBHI")
 _CRC = struct.Struct("<I")
@@ -50,7 +55,7 @@ def escape(body: bytes) -> bytes:
     return bytes(body).replace(b"\x7d", _ESCAPED[ESCAPE]).replace(b"\x7e", _ESCAPED[FLAG])
 
 
-def encode_frame(kind: int, seq: int, session_id: int, payload: bytes = b"") -> bytes:
+def encode_frame(kind: int, seq: int, session_id: int, payload: bytes = b"", flags: int = 0) -> bytes:
     """The wire bytes of one frame, both flags included; ValueError for a field out of its range."""
     if kind not in KINDS:
         raise ValueError(f"frame kind {kind} is not DATA ({KIND_DATA}) or ACK ({KIND_ACK})")
@@ -58,10 +63,12 @@ def encode_frame(kind: int, seq: int, session_id: int, payload: bytes = b"") -> 
         raise ValueError(f"seq {seq} is outside 0..{SEQ_MODULO - 1}")
     if not 0 <= session_id < 1 << 32:
         raise ValueError(f"session_id {session_id} does not fit in 32 bits")
+    if not 0 <= flags < 256:
+        raise ValueError(f"flags {flags} do not fit in 8 bits")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload of {len(payload)} bytes exceeds the link's limit of MAX_PAYLOAD_BYTES="
                          f"{MAX_PAYLOAD_BYTES} bytes; split it into several messages")
-    head = _HEADER.pack(kind, 0, seq, session_id) + bytes(payload)
+    head = _HEADER.pack(kind, flags, seq, session_id) + bytes(payload)
     body = head + _CRC.pack(zlib.crc32(head))
     return b"\x7e" + escape(body) + b"\x7e"
 

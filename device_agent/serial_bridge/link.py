@@ -1,11 +1,24 @@
 """Reliable messages over a serial line: stop-and-wait ARQ with board sessions on framing.py's frames.
 
 ``Link`` is the host's end; ``BoardLink`` plays the board's end by the firmware's rules (tests, simulated boards).
+
+A message of up to MAX_PAYLOAD_BYTES goes as consecutive DATA frames of at most ``fragment_bytes`` payload bytes
+each, FLAG_MORE on all but the last; every fragment is its own ARQ unit (seq, ACK, resends) and the receiver
+delivers whole messages only. A hello is always one frame. On a noisy line, small fragments get through where a
+4 KB frame never would: ``fragment_bytes_for(p)`` sizes them for a per-byte fault probability ``p``, and
+``ack_timeout_s_for`` gives an ACK timeout for a fragment size and a line speed.
+
+A damaged frame (bad CRC, cut short, aborted) is a loss seen early, which both ends (and the firmware) act on
+without waiting for the timeout: a sender waiting for an ACK sends its DATA again at once (the damaged frame
+was most likely that ACK); an end that is not sending repeats the ACK of the last DATA it took in sequence,
+which the sender, waiting for the ACK of the next seq, takes as "not received" and sends that DATA again at once.
+Neither applies to the hello. The frames are the same; a peer without these rules ignores such an ACK as stale.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import secrets
 import select
@@ -17,6 +30,8 @@ from dataclasses import dataclass
 import serial
 
 from device_agent.serial_bridge.framing import (
+    FLAG_MORE,
+    FRAME_OVERHEAD_BYTES,
     KIND_ACK,
     KIND_DATA,
     MAX_PAYLOAD_BYTES,
@@ -27,12 +42,21 @@ from device_agent.serial_bridge.framing import (
 )
 
 __all__ = [
-    "DEFAULT_ACK_TIMEOUT_S", "DEFAULT_BAUDRATE", "DEFAULT_MAX_RETRIES", "BoardLink", "BoardResetError",
-    "HostReopenedError", "Link", "LinkClosedError", "LinkCounters", "LinkError", "LinkTimeoutError",
+    "DEFAULT_ACK_TIMEOUT_S", "DEFAULT_BAUDRATE", "DEFAULT_GIVE_UP_S", "DEFAULT_MAX_RETRIES", "LOOPBACK_ACK_FLOOR_S",
+    "LOOPBACK_BYTES_PER_S", "MIN_FRAGMENT_BYTES", "BoardLink", "BoardResetError", "HostReopenedError", "Link",
+    "LinkClosedError", "LinkCounters", "LinkError", "LinkTimeoutError", "ack_timeout_s_for", "fragment_bytes_for",
 ]
 
 DEFAULT_ACK_TIMEOUT_S = 0.3
-DEFAULT_MAX_RETRIES = 40
+DEFAULT_MAX_RETRIES = 40  # at least; with a shorter ACK timeout, as many as DEFAULT_GIVE_UP_S takes
+DEFAULT_GIVE_UP_S = DEFAULT_MAX_RETRIES * DEFAULT_ACK_TIMEOUT_S
+MIN_FRAGMENT_BYTES = 16  # fragment_bytes_for never goes below: 12 bytes of frame overhead per 16 of payload
+ESCAPE_ALLOWANCE = 1.02  # a frame's body grows by about this much with escapes (2 byte values of 256: ~0.8%)
+FRAGMENT_SURVIVAL = 0.5  # fragment_bytes_for: the share of whole frames that must get through
+# A loopback socket (QEMU's UART, the fault proxy): the emulated board moves tens of KB/s and answers a frame it
+# has read within a millisecond or two; the host's Python side as fast. The floor covers scheduling hiccups.
+LOOPBACK_BYTES_PER_S = 20_000.0
+LOOPBACK_ACK_FLOOR_S = 0.02
 DEFAULT_BAUDRATE = 115200
 DEFAULT_POLL_S = 0.02  # how long one read may block on a port that cannot be waited on with select
 _READ_CHUNK_BYTES = 65536
@@ -73,6 +97,44 @@ class LinkCounters:
     frames_received: int = 0  # well-formed frames
     duplicates_received: int = 0  # DATA received again because our ACK was lost (ACKed, not delivered)
     frames_ignored: int = 0  # well-formed but out of sequence, a stale ACK, or another session's
+    messages_sent: int = 0  # acknowledged in full (the hello included)
+    messages_received: int = 0  # delivered whole
+    fragments_sent: int = 0  # DATA frames acknowledged (a message's fragments; resends not counted)
+    fragments_received: int = 0  # DATA frames taken in sequence
+    reassembly_overflows: int = 0  # messages dropped because their fragments added up to over MAX_PAYLOAD_BYTES
+    fast_retransmissions: int = 0  # of frames_retransmitted: sent again on a damaged frame or repeated ACK, not a timeout
+    repeated_acks_sent: int = 0  # ACKs of the last DATA taken, sent again because a damaged frame arrived
+
+
+def fragment_bytes_for(corrupt_probability: float, drop_probability: float | None = None) -> int:
+    """The largest fragment (payload bytes) whose whole frame survives a line that corrupts ``corrupt_probability``
+    of the bytes and drops ``drop_probability`` (default: a tenth of it, as FaultProxy does) with probability at
+    least FRAGMENT_SURVIVAL; MAX_PAYLOAD_BYTES on a clean line, never below MIN_FRAGMENT_BYTES.
+
+    A frame of n payload bytes is about (12 + n) * ESCAPE_ALLOWANCE + 2 bytes on the wire: 47 at 1%, 16 at 2%."""
+    for label, value in (("corrupt_probability", corrupt_probability), ("drop_probability", drop_probability)):
+        if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            raise ValueError(f"{label} is a per-byte probability in [0, 1), not {value!r}")
+    if drop_probability is None:
+        drop_probability = corrupt_probability / 10
+    fault = drop_probability + (1.0 - drop_probability) * corrupt_probability
+    if fault <= 0.0:
+        return MAX_PAYLOAD_BYTES
+    wire_bytes = math.log(FRAGMENT_SURVIVAL) / math.log1p(-fault)  # (1 - fault) ** wire_bytes == FRAGMENT_SURVIVAL
+    payload = math.floor((wire_bytes - 2) / ESCAPE_ALLOWANCE) - (FRAME_OVERHEAD_BYTES - 2)
+    return max(MIN_FRAGMENT_BYTES, min(MAX_PAYLOAD_BYTES, payload))
+
+
+def ack_timeout_s_for(fragment_bytes: int = MAX_PAYLOAD_BYTES, *, bytes_per_s: float = LOOPBACK_BYTES_PER_S,
+                      floor_s: float = LOOPBACK_ACK_FLOOR_S) -> float:
+    """An ACK timeout for frames of ``fragment_bytes`` on a line moving ``bytes_per_s``: ``floor_s`` plus twice the
+    frame's time on the line (it may queue behind a frame going the other way). Loopback defaults: 26 ms for
+    47-byte fragments, 0.44 s for 4096 (QEMU's UART takes ~20 KB/s from the host)."""
+    if fragment_bytes < 0 or bytes_per_s <= 0 or floor_s <= 0:
+        raise ValueError(f"need fragment_bytes >= 0, bytes_per_s > 0 and floor_s > 0, not {fragment_bytes}, "
+                         f"{bytes_per_s}, {floor_s}")
+    wire_bytes = (fragment_bytes + FRAME_OVERHEAD_BYTES) * ESCAPE_ALLOWANCE
+    return floor_s + 2 * wire_bytes / bytes_per_s
 
 
 class _Endpoint:
@@ -81,15 +143,21 @@ class _Endpoint:
     peer = "peer"
 
     def __init__(self, port, *, ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
-                 max_retries: int = DEFAULT_MAX_RETRIES, name: str | None = None,
-                 poll_s: float = DEFAULT_POLL_S) -> None:
+                 max_retries: int | None = None, name: str | None = None,
+                 poll_s: float = DEFAULT_POLL_S, fragment_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+        """``max_retries`` resends of a frame before LinkTimeoutError; by default DEFAULT_MAX_RETRIES, or as many
+        as DEFAULT_GIVE_UP_S takes at ``ack_timeout_s``. ``fragment_bytes``: the most payload bytes one DATA frame
+        this end sends carries (a public attribute: it may change between messages)."""
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s must be positive, not {ack_timeout_s}")
+        if max_retries is None:
+            max_retries = max(DEFAULT_MAX_RETRIES, math.ceil(DEFAULT_GIVE_UP_S / ack_timeout_s))
         if max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, not {max_retries}")
         self.port = port
         self.ack_timeout_s = float(ack_timeout_s)
         self.max_retries = int(max_retries)
+        self.fragment_bytes = fragment_bytes  # checked by the property
         self.name = name or str(getattr(port, "port", None) or getattr(port, "name", None) or port)
         self._decoder = FrameDecoder()
         self._fileno = _fileno(port)
@@ -99,14 +167,32 @@ class _Endpoint:
         self._tx_seq = 0
         self._rx_expected = 0
         self._incoming: deque[bytes] = deque()
+        self._partial = bytearray()  # the fragments of the message coming in, so far
+        self._discarding = False  # the message coming in overflowed: drop its fragments up to its last
         self._awaiting: int | None = None  # the seq of our DATA waiting for its ACK
         self._acked = False
+        self._fast_resend = False  # whether the DATA awaiting its ACK may be sent again before its timeout
+        self._resend_now = False  # a damaged frame or a repeated ACK says the peer did not get it
+        self._took_data = False  # a DATA (not the hello) was taken in sequence in this session
         self._closed = False
         self._counts = dict.fromkeys(
             ("frames_sent", "frames_retransmitted", "bytes_written", "bytes_read", "payload_bytes_sent",
-             "payload_bytes_received", "frames_received", "duplicates_received", "frames_ignored"), 0)
+             "payload_bytes_received", "frames_received", "duplicates_received", "frames_ignored", "messages_sent",
+             "messages_received", "fragments_sent", "fragments_received", "reassembly_overflows",
+             "fast_retransmissions", "repeated_acks_sent"), 0)
 
     # -- public -----------------------------------------------------------------------------------------------
+
+    @property
+    def fragment_bytes(self) -> int:
+        """The most payload bytes in one DATA frame this end sends (1..MAX_PAYLOAD_BYTES)."""
+        return self._fragment_bytes
+
+    @fragment_bytes.setter
+    def fragment_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PAYLOAD_BYTES:
+            raise ValueError(f"fragment_bytes must be an integer in 1..{MAX_PAYLOAD_BYTES}, not {value!r}")
+        self._fragment_bytes = value
 
     @property
     def counters(self) -> LinkCounters:
@@ -115,13 +201,29 @@ class _Endpoint:
                             **self._counts)
 
     def send(self, payload: bytes) -> None:
-        """Send one message and block until the peer acknowledges it; LinkTimeoutError after max_retries resends."""
+        """Send one message, as fragments of at most ``fragment_bytes``, and block until the peer acknowledges its
+        last one; LinkTimeoutError after max_retries resends of a fragment."""
         _check_size(payload)
         self._check_ready()
-        seq = self._tx_seq
-        self._transmit(encode_frame(KIND_DATA, seq, self._tx_session(), payload), seq)
-        self._tx_seq = (seq + 1) % SEQ_MODULO
+        payload = bytes(payload)
+        size = self.fragment_bytes
+        starts = range(0, max(len(payload), 1), size)
+        for index, start in enumerate(starts):
+            seq = self._tx_seq
+            last = index == len(starts) - 1
+            frame = encode_frame(KIND_DATA, seq, self._tx_session(), payload[start:start + size],
+                                 0 if last else FLAG_MORE)
+            try:
+                self._transmit(frame, seq, what=None if len(starts) == 1 else
+                               f"DATA seq {seq} (fragment {index + 1} of {len(starts)})")
+            except LinkError:
+                if index:
+                    self._abandon()
+                raise
+            self._tx_seq = (seq + 1) % SEQ_MODULO
+            self._counts["fragments_sent"] += 1
         self._counts["payload_bytes_sent"] += len(payload)
+        self._counts["messages_sent"] += 1
 
     def receive(self, timeout_s: float = 10.0) -> bytes:
         """The next message from the peer, waiting up to ``timeout_s``; LinkTimeoutError if none arrives."""
@@ -163,17 +265,32 @@ class _Endpoint:
         """Whether ``frame`` belongs to this session (it may raise, or handle the frame itself and say False)."""
         raise NotImplementedError
 
-    def _transmit(self, frame: bytes, seq: int, *, what: str | None = None) -> None:
-        """Write ``frame`` until ACK(seq) arrives, processing everything else that comes in meanwhile."""
+    def _abandon(self) -> None:
+        """A send failed after some of its fragments were taken: the peer holds part of a message."""
+
+    def _reset_reassembly(self) -> None:
+        self._partial.clear()
+        self._discarding = False
+        self._took_data = False
+
+    def _may_repeat_ack(self) -> bool:
+        """Whether a damaged frame may be answered with the ACK of the last DATA taken (a session is open)."""
+        return self._took_data
+
+    def _transmit(self, frame: bytes, seq: int, *, what: str | None = None, fast: bool = True) -> None:
+        """Write ``frame`` until ACK(seq) arrives, processing everything else that comes in meanwhile.
+
+        It goes again after each ack_timeout_s and, when ``fast``, as soon as the peer shows it did not get it;
+        LinkTimeoutError after max_retries timeouts (or max_retries such early resends)."""
         started = time.monotonic()
-        self._awaiting, self._acked = seq, False
+        self._awaiting, self._acked, self._fast_resend = seq, False, fast
+        timeouts = early = 0
         try:
-            for attempt in range(self.max_retries + 1):
-                if attempt:
-                    self._counts["frames_retransmitted"] += 1
+            while True:
+                self._resend_now = False
                 self._write(frame)
                 deadline = time.monotonic() + self.ack_timeout_s
-                while not self._acked:
+                while not self._acked and not self._resend_now:
                     remaining_s = deadline - time.monotonic()
                     if remaining_s <= 0:
                         break
@@ -181,10 +298,19 @@ class _Endpoint:
                     self._after_pump()
                 if self._acked:
                     return
+                if self._resend_now:
+                    early += 1
+                    self._counts["fast_retransmissions"] += 1
+                else:
+                    timeouts += 1
+                if max(timeouts, early) > self.max_retries:
+                    break
+                self._counts["frames_retransmitted"] += 1
         finally:
             self._awaiting = None
+            self._fast_resend = self._resend_now = False
         raise LinkTimeoutError(
-            f"no ACK from the {self.peer} on {self.name} for {what or f'DATA seq {seq}'} after {self.max_retries + 1} "
+            f"no ACK from the {self.peer} on {self.name} for {what or f'DATA seq {seq}'} after {timeouts + early} "
             f"transmissions over {time.monotonic() - started:.1f} s: check that the {self.peer} is powered and "
             f"running its firmware, that {self.name} is its serial line (and the baud rate matches), that no other "
             "program holds the port, and whether the board rebooted")
@@ -198,9 +324,21 @@ class _Endpoint:
         if not data:
             return
         self._counts["bytes_read"] += len(data)
+        damaged = self._decoder.crc_errors + self._decoder.frames_dropped
         for frame in self._decoder.feed(data):
             self._counts["frames_received"] += 1
             self._process(frame)
+        if self._decoder.crc_errors + self._decoder.frames_dropped > damaged:
+            self._on_damage()
+
+    def _on_damage(self) -> None:
+        """A damaged frame arrived: most likely the ACK we wait for, else the peer's DATA; say so at once."""
+        if self._awaiting is not None:
+            if self._fast_resend and not self._acked:
+                self._resend_now = True
+        elif self._may_repeat_ack():
+            self._counts["repeated_acks_sent"] += 1
+            self._write_ack((self._rx_expected - 1) % SEQ_MODULO)
 
     def _process(self, frame: Frame) -> None:
         if not self._accept(frame):
@@ -209,11 +347,14 @@ class _Endpoint:
         if frame.kind == KIND_ACK:
             if self._awaiting is not None and frame.seq == self._awaiting:
                 self._acked = True
+            elif self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO and self._fast_resend:
+                self._resend_now = True  # the peer repeats its last ACK: our DATA did not arrive whole
             else:
                 self._counts["frames_ignored"] += 1  # a second ACK for a resend, or a stale one
             return
         if frame.seq == self._rx_expected:
-            self._deliver(frame.payload)
+            self._took_data = True
+            self._reassemble(frame)
             self._rx_expected = (self._rx_expected + 1) % SEQ_MODULO
             self._write_ack(frame.seq)
         elif frame.seq == (self._rx_expected - 1) % SEQ_MODULO:
@@ -222,9 +363,31 @@ class _Endpoint:
         else:
             self._counts["frames_ignored"] += 1
 
+    def _reassemble(self, frame: Frame) -> None:
+        """Take an in-sequence DATA fragment; deliver the message its last fragment completes."""
+        self._counts["fragments_received"] += 1
+        more = bool(frame.flags & FLAG_MORE)
+        if self._discarding:
+            self._discarding = more
+            return
+        if len(self._partial) + len(frame.payload) > MAX_PAYLOAD_BYTES:
+            self._counts["reassembly_overflows"] += 1  # the peer broke the limit: drop the whole message
+            self._partial.clear()
+            self._discarding = more
+            return
+        if not more and not self._partial:
+            self._deliver(frame.payload)
+            return
+        self._partial += frame.payload
+        if not more:
+            message = bytes(self._partial)
+            self._partial.clear()
+            self._deliver(message)
+
     def _deliver(self, payload: bytes) -> None:
         self._incoming.append(payload)
         self._counts["payload_bytes_received"] += len(payload)
+        self._counts["messages_received"] += 1
 
     def _write_ack(self, seq: int) -> None:
         self._write(encode_frame(KIND_ACK, seq, self._tx_session()))
@@ -277,7 +440,8 @@ class Link(_Endpoint):
         return cls(port, name=url, **options)
 
     def open(self, hello_payload: bytes, *, timeout_s: float = 10.0) -> bytes:
-        """Start a session: send the hello (seq 0, session 0), learn the board's session id, return its one reply.
+        """Start a session: send the hello (seq 0, session 0, always one frame), learn the board's session id,
+        return its one reply (in as many fragments as the board sends).
 
         ``timeout_s`` bounds the wait for that reply once the hello is acknowledged."""
         _check_size(hello_payload)
@@ -285,13 +449,17 @@ class Link(_Endpoint):
         self.session_id = None
         self._tx_seq, self._rx_expected = 0, 0
         self._incoming.clear()
+        self._reset_reassembly()
         self._opening = True
         try:
-            self._transmit(encode_frame(KIND_DATA, 0, 0, hello_payload), 0, what="the hello (DATA seq 0, session 0)")
+            self._transmit(encode_frame(KIND_DATA, 0, 0, hello_payload), 0, what="the hello (DATA seq 0, session 0)",
+                           fast=False)
         finally:
             self._opening = False
         self._tx_seq = 1
         self._counts["payload_bytes_sent"] += len(hello_payload)
+        self._counts["messages_sent"] += 1
+        self._counts["fragments_sent"] += 1
         return self.receive(timeout_s)
 
     def _check_ready(self) -> None:
@@ -301,6 +469,12 @@ class Link(_Endpoint):
 
     def _tx_session(self) -> int:
         return self.session_id or 0
+
+    def _abandon(self) -> None:
+        self.session_id = None  # the board holds part of a message: only a new hello puts both ends in step
+
+    def _may_repeat_ack(self) -> bool:
+        return self._took_data and self.session_id is not None and not self._opening
 
     def _accept(self, frame: Frame) -> bool:
         if frame.session_id == 0:
@@ -343,6 +517,7 @@ class BoardLink(_Endpoint):
         self._tx_seq, self._rx_expected = 0, 1
         self._incoming.clear()
         self._hellos.clear()
+        self._reset_reassembly()
         self._decoder = FrameDecoder()
 
     def receive(self, timeout_s: float = 10.0) -> bytes:
@@ -365,13 +540,16 @@ class BoardLink(_Endpoint):
     def _accept(self, frame: Frame) -> bool:
         if frame.session_id == self.session_id:
             return True
-        if frame.kind == KIND_DATA and frame.session_id == 0:
+        if frame.kind == KIND_DATA and frame.session_id == 0:  # a hello: one frame, whatever its flags
             self._incoming.clear()
             self._hellos.clear()
+            self._reset_reassembly()
             self._rx_expected, self._tx_seq = 1, 0
             self._incoming.append(frame.payload)
             self._hellos.append(True)
             self._counts["payload_bytes_received"] += len(frame.payload)
+            self._counts["messages_received"] += 1
+            self._counts["fragments_received"] += 1
             self._write_ack(frame.seq)
             if self._awaiting is not None:
                 self._reopened = True

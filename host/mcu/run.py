@@ -28,7 +28,6 @@ FIRMWARE_ELF = "poet_fw.elf"
 PLATFORM = "m4"
 TOLERANCE = 1e-5  # relative; the board sums in fp32 in a fixed order where torch's BLAS blocks its sums
 BUILD_TIMEOUT_S = 600.0
-LOSSY_ACK_TIMEOUT_S = 0.05  # a loopback proxy answers in well under a millisecond: resend a lost frame soon
 
 
 @dataclass
@@ -141,7 +140,7 @@ def run_mcu(model: Any, *, steps: int, ram_budget: Any, batch_size: int | None =
         link_options: dict[str, Any] = {}
         hello_options: dict[str, Any] = {}
         if link_corrupt:
-            from device_agent.serial_bridge.link import fragment_bytes_for
+            from device_agent.serial_bridge.link import ack_timeout_s_for, fragment_bytes_for
             from device_agent.serial_bridge.proxy import FaultProxy
 
             host, _, port = serial.removeprefix("socket://").rpartition(":")
@@ -149,9 +148,9 @@ def run_mcu(model: Any, *, steps: int, ram_budget: Any, batch_size: int | None =
                 raise InputError("--link-corrupt needs a socket:// line (QEMU's): the proxy sits on TCP")
             proxy = stack.enter_context(FaultProxy(host, int(port), corrupt_probability=link_corrupt, seed=seed))
             serial = f"socket://127.0.0.1:{proxy.port}"
-            fragment = fragment_bytes_for(link_corrupt)
-            link_options.update(fragment_bytes=fragment, ack_timeout_s=LOSSY_ACK_TIMEOUT_S)
-            hello_options.update(max_fragment_bytes=fragment, ack_timeout_ms=int(LOSSY_ACK_TIMEOUT_S * 1000))
+            fragment, ack_timeout_s = fragment_bytes_for(link_corrupt), ack_timeout_s_for(fragment_bytes_for(link_corrupt))
+            link_options.update(fragment_bytes=fragment, ack_timeout_s=ack_timeout_s)
+            hello_options.update(max_fragment_bytes=fragment, ack_timeout_ms=max(1, round(ack_timeout_s * 1000)))
             log(f"fault-injecting proxy on the link: {link_corrupt:.2%} of the bytes corrupted, "
                 f"{proxy.drop_probability:.2%} dropped; frames of {fragment} payload bytes")
         link = stack.enter_context(Link.connect(serial, **link_options))

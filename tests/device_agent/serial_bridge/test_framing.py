@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_agent.serial_bridge.framing import (
+    FLAG_MORE,
     KIND_ACK,
     KIND_DATA,
     MAX_PAYLOAD_BYTES,
@@ -24,6 +25,7 @@ from device_agent.serial_bridge.framing import (
 # Golden frames: the firmware's tests check the same bytes.
 GOLDEN_DATA = bytes.fromhex("7e 01 00 01 00 78 56 34 12 7d 5e 7d 5d 00 41 65 6b db 63 7e")
 GOLDEN_ACK = bytes.fromhex("7e 02 00 ef be 0d f0 fe ca a6 8b c2 d9 7e")
+GOLDEN_MORE = bytes.fromhex("7e 01 01 02 00 78 56 34 12 7d 5e 7d 5d 00 41 a6 0f 62 49 7e")  # a fragment, MORE set
 
 
 def _crc32_bitwise(data: bytes) -> int:
@@ -151,4 +153,16 @@ def test_encode_frame_refuses_fields_out_of_range():
         encode_frame(KIND_DATA, 1 << 16, 1, b"")
     with pytest.raises(ValueError, match="session"):
         encode_frame(KIND_DATA, 0, 1 << 32, b"")
+    with pytest.raises(ValueError, match="flags"):
+        encode_frame(KIND_DATA, 0, 1, b"", 256)
     assert len(encode_frame(KIND_DATA, 0, 1, bytes(MAX_PAYLOAD_BYTES))) >= 12 + MAX_PAYLOAD_BYTES + 2
+
+
+def test_the_more_flag_is_the_flags_byte_bit_0_and_nothing_else_changes():
+    """A fragment's frame differs from a whole message's only in the flags byte (and so the CRC)."""
+    assert FLAG_MORE == 0x01
+    assert encode_frame(KIND_DATA, 2, 0x12345678, b"\x7e\x7d\x00A", FLAG_MORE) == GOLDEN_MORE
+    body = bytes.fromhex("01 01 0200 78563412 7e7d0041")
+    assert _crc32_bitwise(body) == struct.unpack("<I", bytes.fromhex("a60f6249"))[0]
+    assert FrameDecoder().feed(GOLDEN_MORE) == [Frame(KIND_DATA, 2, 0x12345678, b"\x7e\x7d\x00A", FLAG_MORE)]
+    assert encode_frame(KIND_DATA, 1, 0x12345678, b"\x7e\x7d\x00A", 0) == GOLDEN_DATA

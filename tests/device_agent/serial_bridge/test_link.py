@@ -1,16 +1,20 @@
 """The link's ARQ and sessions over real loopback sockets: a hand-driven peer checks each rule frame by frame,
-and a host Link talks to a BoardLink both ways at once."""
+and a host Link talks to a BoardLink both ways at once; messages in fragments, also through FaultProxy."""
 
 from __future__ import annotations
 
+import contextlib
+import random
 import select
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from device_agent.serial_bridge.framing import (
+    FLAG_MORE,
     KIND_ACK,
     KIND_DATA,
     MAX_PAYLOAD_BYTES,
@@ -19,6 +23,8 @@ from device_agent.serial_bridge.framing import (
     encode_frame,
 )
 from device_agent.serial_bridge.link import (
+    DEFAULT_ACK_TIMEOUT_S,
+    MIN_FRAGMENT_BYTES,
     BoardLink,
     BoardResetError,
     HostReopenedError,
@@ -26,7 +32,10 @@ from device_agent.serial_bridge.link import (
     LinkClosedError,
     LinkError,
     LinkTimeoutError,
+    ack_timeout_s_for,
+    fragment_bytes_for,
 )
+from device_agent.serial_bridge.proxy import FaultProxy
 
 SESSION = 0x5EC0_0001
 FAST = {"ack_timeout_s": 0.05, "max_retries": 100}
@@ -65,8 +74,8 @@ class RawPeer:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.decoder, self.pending = sock, FrameDecoder(), []
 
-    def send(self, kind: int, seq: int, session: int, payload: bytes = b"") -> None:
-        self.sock.sendall(encode_frame(kind, seq, session, payload))
+    def send(self, kind: int, seq: int, session: int, payload: bytes = b"", flags: int = 0) -> None:
+        self.sock.sendall(encode_frame(kind, seq, session, payload, flags))
 
     def next_frame(self, timeout_s: float = 5.0) -> Frame:
         deadline = time.monotonic() + timeout_s
@@ -381,3 +390,265 @@ def test_payload_limit_unopened_link_refused_port_and_closed_peer(pool, host_and
         port = listener.getsockname()[1]
     with pytest.raises(LinkClosedError, match=f"cannot open the serial line socket://127.0.0.1:{port}"):
         Link.connect(f"socket://127.0.0.1:{port}")
+
+
+# ------------------------------------------------------------------------------------------------ fragmentation
+def _fragments(peer: RawPeer, count: int, session: int = SESSION, ack: bool = True) -> list[Frame]:
+    """The next ``count`` DATA frames (skipping resends of one already seen), each ACKed when ``ack``."""
+    frames: list[Frame] = []
+    while len(frames) < count:
+        frame = peer.next_frame()
+        if frame.kind != KIND_DATA or (frames and frame.seq == frames[-1].seq):
+            continue
+        frames.append(frame)
+        if ack:
+            peer.send(KIND_ACK, frame.seq, session)
+    return frames
+
+
+def test_a_message_goes_as_fragments_with_more_on_all_but_the_last(pool, host_and_raw_board):
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    host.fragment_bytes = 16
+    message = bytes(range(40))
+    sent = pool.submit(host.send, message)
+    first = board.next_frame()
+    assert first == Frame(KIND_DATA, 1, SESSION, message[:16], FLAG_MORE)
+    assert board.next_frame() == first  # stop-and-wait per fragment: unACKed, the same fragment goes again
+    board.send(KIND_ACK, 1, SESSION)
+    rest = _fragments(board, 2)
+    sent.result(timeout=5)
+    assert rest == [Frame(KIND_DATA, 2, SESSION, message[16:32], FLAG_MORE), Frame(KIND_DATA, 3, SESSION, message[32:])]
+    counters = host.counters
+    assert (counters.messages_sent, counters.fragments_sent) == (2, 4)  # the hello, then 3 fragments
+    assert counters.payload_bytes_sent == len(b"hello") + 40
+    for size, count in ((16, 1), (17, 2), (0, 1)):  # exactly one fragment; one byte over; empty
+        sent = pool.submit(host.send, bytes(size))
+        frames = _fragments(board, count)
+        sent.result(timeout=5)
+        assert [f.flags for f in frames] == [FLAG_MORE] * (count - 1) + [0]
+        assert b"".join(f.payload for f in frames) == bytes(size)
+
+
+def test_the_host_reassembles_fragments_and_delivers_whole_messages_once(pool, host_and_raw_board):
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    board.send(KIND_DATA, 1, SESSION, b"frag", FLAG_MORE)
+    board.send(KIND_DATA, 1, SESSION, b"frag", FLAG_MORE)  # its ACK was lost: not added twice
+    board.send(KIND_DATA, 3, SESSION, b"!")  # seq 2 was lost: dropped
+    with pytest.raises(LinkTimeoutError):
+        host.receive(0.2)  # nothing whole yet
+    assert [board.next_frame() for _ in range(2)] == [Frame(KIND_ACK, 1, SESSION)] * 2
+    board.send(KIND_DATA, 2, SESSION, b"ment", FLAG_MORE)
+    board.send(KIND_DATA, 3, SESSION, b"ed")
+    assert host.receive(5) == b"fragmented"
+    assert [board.next_frame() for _ in range(2)] == [Frame(KIND_ACK, 2, SESSION), Frame(KIND_ACK, 3, SESSION)]
+    counters = host.counters
+    assert (counters.messages_received, counters.fragments_received, counters.duplicates_received) == (2, 4, 1)
+    assert counters.payload_bytes_received == len(b"board info") + len(b"fragmented")
+
+
+def test_a_message_over_4096_bytes_in_fragments_is_dropped_and_counted(pool, host_and_raw_board):
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    board.send(KIND_DATA, 1, SESSION, bytes(4000), FLAG_MORE)
+    board.send(KIND_DATA, 2, SESSION, bytes(97), FLAG_MORE)  # 4097 in all
+    board.send(KIND_DATA, 3, SESSION, b"tail")
+    board.send(KIND_DATA, 4, SESSION, bytes(4000), FLAG_MORE)
+    board.send(KIND_DATA, 5, SESSION, b"\x01" * 96)  # exactly 4096
+    assert host.receive(5) == bytes(4000) + b"\x01" * 96
+    assert [board.next_frame().seq for _ in range(5)] == [1, 2, 3, 4, 5]  # every fragment ACKed
+    assert host.counters.reassembly_overflows == 1
+    assert host.counters.messages_received == 2
+
+
+def test_the_board_side_fragments_and_a_hello_drops_a_partial_message(pool, board_and_raw_host):
+    board, host = board_and_raw_host
+    board.fragment_bytes = 3
+    host.send(KIND_DATA, 0, 0, b"hello")
+    assert board.receive(5) == b"hello" and board.received_hello
+    assert host.next_frame() == Frame(KIND_ACK, 0, SESSION)
+    sending = pool.submit(board.send, b"info!!!")
+    frames = _fragments(host, 3)
+    sending.result(timeout=5)
+    assert frames == [Frame(KIND_DATA, 0, SESSION, b"inf", FLAG_MORE), Frame(KIND_DATA, 1, SESSION, b"o!!", FLAG_MORE),
+                      Frame(KIND_DATA, 2, SESSION, b"!")]
+    host.send(KIND_DATA, 1, SESSION, b"part", FLAG_MORE)
+    host.send(KIND_DATA, 0, 0, b"hello again", FLAG_MORE)  # a hello, even flagged MORE, is one whole frame
+    host.send(KIND_DATA, 1, SESSION, b"new")
+    assert board.receive(5) == b"hello again" and board.received_hello
+    assert board.receive(5) == b"new" and not board.received_hello  # not b"partnew"
+    assert [host.next_frame() for _ in range(3)] == [Frame(KIND_ACK, 1, SESSION), Frame(KIND_ACK, 0, SESSION),
+                                                     Frame(KIND_ACK, 1, SESSION)]
+
+
+def test_host_and_board_link_fragment_both_ways(pool, host_and_board):
+    host, board = host_and_board
+    host.fragment_bytes, board.fragment_bytes = 100, 37
+    opened = pool.submit(host.open, b"hello")
+    assert board.receive(5) == b"hello"
+    board.send(b"info" * 30)  # the reply to the hello, in 4 fragments
+    assert opened.result(timeout=5) == b"info" * 30
+    up = [bytes([i]) * size for i, size in enumerate((0, 1, 99, 100, 101, 4096))]
+    down = [bytes([255 - i]) * size for i, size in enumerate((4096, 37, 38, 0, 2000))]
+    for message in up:
+        sent = pool.submit(host.send, message)
+        assert board.receive(5) == message
+        sent.result(timeout=5)
+    for message in down:
+        sent = pool.submit(board.send, message)
+        assert host.receive(5) == message
+        sent.result(timeout=5)
+    assert host.counters.fragments_sent == 1 + sum(max(1, -(-len(m) // 100)) for m in up)
+    assert board.counters.fragments_sent == 4 + sum(max(1, -(-len(m) // 37)) for m in down)
+    assert board.counters.messages_received == 1 + len(up) and host.counters.messages_received == 1 + len(down)
+    assert host.counters.frames_retransmitted == board.counters.frames_retransmitted == 0
+
+
+def test_a_send_that_fails_after_some_fragments_ends_the_session(pool, host_and_raw_board):
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    host.fragment_bytes, host.max_retries, host.ack_timeout_s = 4, 2, 0.02
+    sent = pool.submit(host.send, b"half a message")
+    assert _fragments(board, 1)[0] == Frame(KIND_DATA, 1, SESSION, b"half", FLAG_MORE)  # only the first is ACKed
+    with pytest.raises(LinkTimeoutError, match=r"DATA seq 2 \(fragment 2 of 4\) after 3 transmissions"):
+        sent.result(timeout=5)
+    with pytest.raises(LinkError, match=r"call open\(hello\) first"):
+        host.send(b"x")  # the board holds part of a message: only a hello puts both ends in step
+
+
+def test_fragment_and_timeout_options_are_checked():
+    with pytest.raises(ValueError, match=r"fragment_bytes must be an integer in 1..4096"):
+        Link.connect("loop://", fragment_bytes=0)
+    with pytest.raises(ValueError, match=r"fragment_bytes must be an integer in 1..4096, not 4097"):
+        Link.connect("loop://", fragment_bytes=MAX_PAYLOAD_BYTES + 1)
+    with Link.connect("loop://", fragment_bytes=47, ack_timeout_s=0.03) as link:
+        assert link.fragment_bytes == 47
+        assert link.max_retries == 400  # a short timeout retries as long as the default one (12 s)
+    with Link.connect("loop://") as link:
+        assert (link.fragment_bytes, link.ack_timeout_s, link.max_retries) == (4096, 0.3, 40)
+
+
+# ------------------------------------------------------------------------------------------------ losses seen early
+def test_a_damaged_frame_while_waiting_for_an_ack_sends_the_data_again_at_once(pool, host_and_raw_board):
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    host.ack_timeout_s = 5.0  # a resend within the test's time comes from the damage, not the timeout
+    sent = pool.submit(host.send, b"question")
+    assert board.next_frame() == Frame(KIND_DATA, 1, SESSION, b"question")
+    damaged = bytearray(encode_frame(KIND_ACK, 1, SESSION))
+    damaged[5] ^= 0x01  # as if the line hit our ACK
+    board.sock.sendall(bytes(damaged))
+    assert board.next_frame(timeout_s=1) == Frame(KIND_DATA, 1, SESSION, b"question")
+    board.send(KIND_ACK, 0, SESSION)  # the ACK before (repeated: "I did not get seq 1"): again at once
+    assert board.next_frame(timeout_s=1) == Frame(KIND_DATA, 1, SESSION, b"question")
+    board.send(KIND_ACK, 1, SESSION)
+    sent.result(timeout=5)
+    counters = host.counters
+    assert counters.frames_retransmitted == counters.fast_retransmissions == 2
+    assert counters.crc_errors == 1
+
+
+def test_a_damaged_frame_while_receiving_repeats_the_last_ack_but_not_before_any_data(pool, board_and_raw_host):
+    board, host = board_and_raw_host
+    host.send(KIND_DATA, 0, 0, b"hello")
+    assert board.receive(5) == b"hello"
+    assert host.next_frame() == Frame(KIND_ACK, 0, SESSION)
+    host.sock.sendall(b"\x7e\x01\x02\x7e")  # a frame cut short: nothing taken since the hello, nothing to repeat
+    with pytest.raises(LinkTimeoutError):
+        board.receive(0.2)
+    assert host.silent_for(0.1) and board.counters.frames_dropped == 1
+    host.send(KIND_DATA, 1, SESSION, b"one")
+    assert board.receive(5) == b"one"
+    assert host.next_frame() == Frame(KIND_ACK, 1, SESSION)
+    damaged = bytearray(encode_frame(KIND_DATA, 2, SESSION, b"two"))
+    damaged[9] ^= 0x01
+    host.sock.sendall(bytes(damaged))
+    with pytest.raises(LinkTimeoutError):
+        board.receive(0.2)
+    assert host.next_frame(timeout_s=1) == Frame(KIND_ACK, 1, SESSION)  # "still at seq 1": send seq 2 again
+    assert board.counters.repeated_acks_sent == 1 and board.counters.crc_errors == 1
+
+
+# ------------------------------------------------------------------------------------------------ a lossy line
+def test_fragment_bytes_for_sizes_frames_to_survive_half_the_time():
+    assert fragment_bytes_for(0.0) == MAX_PAYLOAD_BYTES
+    assert fragment_bytes_for(0.01) == 47 and fragment_bytes_for(0.01, 0.0) == 53
+    assert fragment_bytes_for(0.02) == MIN_FRAGMENT_BYTES == 16 and fragment_bytes_for(0.3) == 16
+    for p in (0.0005, 0.001, 0.003, 0.01, 0.015):
+        n = fragment_bytes_for(p)
+        survive = (1 - (p / 10 + (1 - p / 10) * p)) ** ((n + 12) * 1.02 + 2)
+        larger = (1 - (p / 10 + (1 - p / 10) * p)) ** ((n + 13) * 1.02 + 2)
+        assert survive >= 0.5 > larger, (p, n)
+    with pytest.raises(ValueError):
+        fragment_bytes_for(1.0)
+    assert 0.02 < ack_timeout_s_for(47) < 0.03  # tens of ms on a loopback
+    assert ack_timeout_s_for(4096) > DEFAULT_ACK_TIMEOUT_S  # a 4 KB frame takes ~0.2 s into QEMU's UART
+
+
+class _Echo:
+    """The board's side over a lossy line: answers each hello with b"info", echoes everything else, until stopped."""
+
+    def __init__(self, board: BoardLink) -> None:
+        self.board, self.received, self.echoed, self.hellos, self.stop = board, [], 0, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                message = self.board.receive(0.05)  # receiving keeps acknowledging what the host resends
+            except LinkTimeoutError:
+                continue
+            if self.board.received_hello:
+                self.hellos += 1
+            else:
+                self.received.append(message)
+            try:
+                self.board.send(b"info" if self.board.received_hello else message)
+            except HostReopenedError:
+                continue
+            self.echoed += not self.board.received_hello
+
+
+@pytest.mark.parametrize("per_byte", [0.01, 0.02])
+def test_multi_kb_messages_cross_1_and_2_percent_corrupted_bytes_in_fragments(per_byte):
+    """With 4 KB frames nothing would arrive (0.99**4200 = 5e-19); in fragment_bytes_for(p) fragments every
+    message does, once, in order, unchanged, both ways; ACK timeouts of tens of ms."""
+    rng = random.Random(int(per_byte * 1000))
+    payloads = [rng.randbytes(rng.randint(1000, MAX_PAYLOAD_BYTES)) for _ in range(8)] + [rng.randbytes(4096)]
+    fragment = fragment_bytes_for(per_byte)
+    options = {"fragment_bytes": fragment, "ack_timeout_s": ack_timeout_s_for(fragment)}
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            FaultProxy("127.0.0.1", listener.getsockname()[1], corrupt_probability=per_byte, seed=3) as proxy, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        host = Link.connect(f"socket://127.0.0.1:{proxy.port}", **options)
+        conn, _ = listener.accept()
+        board = BoardLink(SocketPort(conn), **options)
+        echo = _Echo(board)
+        with host, board:
+            board_done = pool.submit(echo.run)
+            try:
+                assert host.open(b"hello", timeout_s=60) == b"info"
+                echoes = []
+                for payload in payloads:
+                    host.send(payload)
+                    echoes.append(host.receive(60))
+                while echo.echoed < len(payloads) and not board_done.done():  # the last echo's ACK may be lost
+                    with contextlib.suppress(LinkTimeoutError):
+                        echoes.append(host.receive(0.05))
+            finally:
+                echo.stop.set()
+            board_done.result(timeout=10)
+    assert echo.received == payloads  # host -> board: once each, in order, unchanged
+    assert echoes == payloads  # and back
+    up, down = host.counters, board.counters
+    total = sum(map(len, payloads))
+    assert (up.messages_sent, up.payload_bytes_sent) == (len(payloads) + 1, len(b"hello") + total)
+    assert (up.messages_received, up.payload_bytes_received) == (len(payloads) + 1, len(b"info") + total)
+    # a hello whose ACK was lost is sent again: the board takes (and answers) each copy
+    assert (down.messages_received, down.payload_bytes_received) == (len(payloads) + echo.hellos,
+                                                                     len(b"hello") * echo.hellos + total)
+    assert up.fragments_sent >= len(b"hello") // fragment + sum(-(-len(p) // fragment) for p in payloads)
+    assert up.frames_retransmitted > 0 and down.frames_retransmitted > 0
+    assert up.crc_errors > 0 and down.crc_errors > 0
+    assert up.reassembly_overflows == down.reassembly_overflows == 0
+    assert proxy.bytes_corrupted > 0 and proxy.bytes_dropped > 0

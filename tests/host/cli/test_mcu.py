@@ -71,3 +71,21 @@ def test_bad_flags_exit_2_naming_them(argv, message):
     done = poet("mcu", "run", *argv)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@needs_toolchain
+def test_through_a_link_that_corrupts_one_byte_in_a_hundred_training_ends_with_the_same_parameters():
+    """--link-corrupt 1%: a proxy corrupts 1% of the bytes each way and drops 0.1%; the link cuts messages into
+    small frames and resends what fails its CRC: the board trains exactly as on a clean line."""
+    clean = one_json_object(poet("mcu", "run", "--qemu", "--model", TINY, "--ram-budget", "100%", "--steps", "3",
+                                 "--json").stdout)
+    done = poet("mcu", "run", "--qemu", "--model", TINY, "--ram-budget", "100%", "--steps", "3",
+                "--link-corrupt", "1%", "--json")
+    assert done.returncode == 0, done.stderr
+    lossy = one_json_object(done.stdout)
+    assert lossy["ok"] and lossy["link_corrupt"] == 0.01
+    assert lossy["losses"] == clean["losses"]  # bit for bit: the same firmware on the same bytes
+    assert lossy["max_rel_param_diff"] == clean["max_rel_param_diff"] <= 1e-5
+    assert lossy["frames_retransmitted"] > 0 and lossy["crc_errors"] > 0
+    assert lossy["link"]["board"]["crc_errors"] > 0  # the board saw damaged frames too, and asked again
+    assert clean["frames_retransmitted"] == clean["crc_errors"] == 0

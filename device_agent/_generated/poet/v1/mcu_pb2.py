@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from poet.v1 import schedule_pb2 as poet_dot_v1_dot_schedule__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11poet/v1/mcu.proto\x12\x07poet.v1\x1a\x16poet/v1/schedule.proto\"V\n\x08McuLayer\x12\x1f\n\x02op\x18\x01 \x01(\x0e\x32\x13.poet.v1.McuLayerOp\x12\x13\n\x0bin_features\x18\x02 \x01(\r\x12\x14\n\x0cout_features\x18\x03 \x01(\r\"\x93\x01\n\x08McuModel\x12!\n\x06layers\x18\x01 \x03(\x0b\x32\x11.poet.v1.McuLayer\x12\x12\n\nnode_layer\x18\x02 \x03(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x13\n\x0bnum_classes\x18\x04 \x01(\r\x12\x15\n\rlearning_rate\x18\x05 \x01(\x02\x12\x10\n\x08momentum\x18\x06 \x01(\x02\"$\n\x08McuHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xda\x01\n\x0cMcuBoardInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05\x62oard\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66lash_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bparam_bytes\x18\x06 \x01(\x04\x12\x19\n\x11max_payload_bytes\x18\x07 \x01(\r\x12\x0f\n\x07tick_hz\x18\x08 \x01(\x04\x12\x12\n\nsession_id\x18\t \x01(\r\x12\x10\n\x08\x65mulated\x18\n \x01(\x08\"0\n\x0cMcuLoadModel\x12 \n\x05model\x18\x01 \x01(\x0b\x32\x11.poet.v1.McuModel\"6\n\x0fMcuLoadSchedule\x12#\n\x08schedule\x18\x01 \x01(\x0b\x32\x11.poet.v1.Schedule\"L\n\rMcuParamChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"?\n\rMcuBatchChunk\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06inputs\x18\x02 \x01(\x0c\x12\x0e\n\x06labels\x18\x03 \x03(\r\"\x1a\n\nMcuRunStep\x12\x0c\n\x04step\x18\x01 \x01(\r\"\xab\x01\n\x13McuInstructionEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\r\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.poet.v1.InstructionKind\x12\x0c\n\x04node\x18\x04 \x01(\r\x12\r\n\x05ticks\x18\x05 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x04\x12\x1a\n\x12\x61rena_in_use_bytes\x18\x07 \x01(\x04\"\x86\x02\n\x0bMcuStepDone\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x0c\n\x04loss\x18\x02 \x01(\x02\x12\r\n\x05ticks\x18\x03 \x01(\x04\x12\x1e\n\x16\x61rena_high_water_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63omputes\x18\x05 \x01(\r\x12\x10\n\x08page_ins\x18\x06 \x01(\r\x12\x11\n\tpage_outs\x18\x07 \x01(\r\x12\r\n\x05\x66rees\x18\x08 \x01(\r\x12\x17\n\x0f\x62ytes_paged_out\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_paged_in\x18\n \x01(\x04\x12\x17\n\x0flink_crc_errors\x18\x0b \x01(\r\x12\x1c\n\x14link_retransmissions\x18\x0c \x01(\r\"\x0f\n\rMcuReadParams\"\x07\n\x05McuOk\"\x1b\n\x08McuError\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xa3\x04\n\nMcuMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.poet.v1.McuHelloH\x00\x12+\n\nboard_info\x18\x02 \x01(\x0b\x32\x15.poet.v1.McuBoardInfoH\x00\x12+\n\nload_model\x18\x03 \x01(\x0b\x32\x15.poet.v1.McuLoadModelH\x00\x12\x31\n\rload_schedule\x18\x04 \x01(\x0b\x32\x18.poet.v1.McuLoadScheduleH\x00\x12-\n\x0bparam_chunk\x18\x05 \x01(\x0b\x32\x16.poet.v1.McuParamChunkH\x00\x12-\n\x0b\x62\x61tch_chunk\x18\x06 \x01(\x0b\x32\x16.poet.v1.McuBatchChunkH\x00\x12\'\n\x08run_step\x18\x07 \x01(\x0b\x32\x13.poet.v1.McuRunStepH\x00\x12\x39\n\x11instruction_event\x18\x08 \x01(\x0b\x32\x1c.poet.v1.McuInstructionEventH\x00\x12)\n\tstep_done\x18\t \x01(\x0b\x32\x14.poet.v1.McuStepDoneH\x00\x12-\n\x0bread_params\x18\n \x01(\x0b\x32\x16.poet.v1.McuReadParamsH\x00\x12\x1c\n\x02ok\x18\x0b \x01(\x0b\x32\x0e.poet.v1.McuOkH\x00\x12\"\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x11.poet.v1.McuErrorH\x00\x42\x06\n\x04\x62ody*\x92\x01\n\nMcuLayerOp\x12\x1c\n\x18MCU_LAYER_OP_UNSPECIFIED\x10\x00\x12\x16\n\x12MCU_LAYER_OP_INPUT\x10\x01\x12\x17\n\x13MCU_LAYER_OP_LINEAR\x10\x02\x12\x15\n\x11MCU_LAYER_OP_RELU\x10\x03\x12\x1e\n\x1aMCU_LAYER_OP_CROSS_ENTROPY\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11poet/v1/mcu.proto\x12\x07poet.v1\x1a\x16poet/v1/schedule.proto\"V\n\x08McuLayer\x12\x1f\n\x02op\x18\x01 \x01(\x0e\x32\x13.poet.v1.McuLayerOp\x12\x13\n\x0bin_features\x18\x02 \x01(\r\x12\x14\n\x0cout_features\x18\x03 \x01(\r\"\x93\x01\n\x08McuModel\x12!\n\x06layers\x18\x01 \x03(\x0b\x32\x11.poet.v1.McuLayer\x12\x12\n\nnode_layer\x18\x02 \x03(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x13\n\x0bnum_classes\x18\x04 \x01(\r\x12\x15\n\rlearning_rate\x18\x05 \x01(\x02\x12\x10\n\x08momentum\x18\x06 \x01(\x02\"X\n\x08McuHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x1a\n\x12max_fragment_bytes\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x63k_timeout_ms\x18\x03 \x01(\r\"\x8e\x02\n\x0cMcuBoardInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05\x62oard\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66lash_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bparam_bytes\x18\x06 \x01(\x04\x12\x19\n\x11max_payload_bytes\x18\x07 \x01(\r\x12\x0f\n\x07tick_hz\x18\x08 \x01(\x04\x12\x12\n\nsession_id\x18\t \x01(\r\x12\x10\n\x08\x65mulated\x18\n \x01(\x08\x12\x1a\n\x12max_fragment_bytes\x18\x0b \x01(\r\x12\x16\n\x0e\x61\x63k_timeout_ms\x18\x0c \x01(\r\"0\n\x0cMcuLoadModel\x12 \n\x05model\x18\x01 \x01(\x0b\x32\x11.poet.v1.McuModel\"6\n\x0fMcuLoadSchedule\x12#\n\x08schedule\x18\x01 \x01(\x0b\x32\x11.poet.v1.Schedule\"L\n\rMcuParamChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tensor\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"?\n\rMcuBatchChunk\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06inputs\x18\x02 \x01(\x0c\x12\x0e\n\x06labels\x18\x03 \x03(\r\"\x1a\n\nMcuRunStep\x12\x0c\n\x04step\x18\x01 \x01(\r\"\xab\x01\n\x13McuInstructionEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x10\n\x08position\x18\x02 \x01(\r\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.poet.v1.InstructionKind\x12\x0c\n\x04node\x18\x04 \x01(\r\x12\r\n\x05ticks\x18\x05 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x04\x12\x1a\n\x12\x61rena_in_use_bytes\x18\x07 \x01(\x04\"\x86\x02\n\x0bMcuStepDone\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x0c\n\x04loss\x18\x02 \x01(\x02\x12\r\n\x05ticks\x18\x03 \x01(\x04\x12\x1e\n\x16\x61rena_high_water_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63omputes\x18\x05 \x01(\r\x12\x10\n\x08page_ins\x18\x06 \x01(\r\x12\x11\n\tpage_outs\x18\x07 \x01(\r\x12\r\n\x05\x66rees\x18\x08 \x01(\r\x12\x17\n\x0f\x62ytes_paged_out\x18\t \x01(\x04\x12\x16\n\x0e\x62ytes_paged_in\x18\n \x01(\x04\x12\x17\n\x0flink_crc_errors\x18\x0b \x01(\r\x12\x1c\n\x14link_retransmissions\x18\x0c \x01(\r\"\x0f\n\rMcuReadParams\"\x07\n\x05McuOk\"\x1b\n\x08McuError\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xa3\x04\n\nMcuMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.poet.v1.McuHelloH\x00\x12+\n\nboard_info\x18\x02 \x01(\x0b\x32\x15.poet.v1.McuBoardInfoH\x00\x12+\n\nload_model\x18\x03 \x01(\x0b\x32\x15.poet.v1.McuLoadModelH\x00\x12\x31\n\rload_schedule\x18\x04 \x01(\x0b\x32\x18.poet.v1.McuLoadScheduleH\x00\x12-\n\x0bparam_chunk\x18\x05 \x01(\x0b\x32\x16.poet.v1.McuParamChunkH\x00\x12-\n\x0b\x62\x61tch_chunk\x18\x06 \x01(\x0b\x32\x16.poet.v1.McuBatchChunkH\x00\x12\'\n\x08run_step\x18\x07 \x01(\x0b\x32\x13.poet.v1.McuRunStepH\x00\x12\x39\n\x11instruction_event\x18\x08 \x01(\x0b\x32\x1c.poet.v1.McuInstructionEventH\x00\x12)\n\tstep_done\x18\t \x01(\x0b\x32\x14.poet.v1.McuStepDoneH\x00\x12-\n\x0bread_params\x18\n \x01(\x0b\x32\x16.poet.v1.McuReadParamsH\x00\x12\x1c\n\x02ok\x18\x0b \x01(\x0b\x32\x0e.poet.v1.McuOkH\x00\x12\"\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x11.poet.v1.McuErrorH\x00\x42\x06\n\x04\x62ody*\x92\x01\n\nMcuLayerOp\x12\x1c\n\x18MCU_LAYER_OP_UNSPECIFIED\x10\x00\x12\x16\n\x12MCU_LAYER_OP_INPUT\x10\x01\x12\x17\n\x13MCU_LAYER_OP_LINEAR\x10\x02\x12\x15\n\x11MCU_LAYER_OP_RELU\x10\x03\x12\x1e\n\x1aMCU_LAYER_OP_CROSS_ENTROPY\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'poet.v1.mcu_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MCULAYEROP']._serialized_start=1873
-  _globals['_MCULAYEROP']._serialized_end=2019
+  _globals['_MCULAYEROP']._serialized_start=1977
+  _globals['_MCULAYEROP']._serialized_end=2123
   _globals['_MCULAYER']._serialized_start=54
   _globals['_MCULAYER']._serialized_end=140
   _globals['_MCUMODEL']._serialized_start=143
   _globals['_MCUMODEL']._serialized_end=290
   _globals['_MCUHELLO']._serialized_start=292
-  _globals['_MCUHELLO']._serialized_end=328
-  _globals['_MCUBOARDINFO']._serialized_start=331
-  _globals['_MCUBOARDINFO']._serialized_end=549
-  _globals['_MCULOADMODEL']._serialized_start=551
-  _globals['_MCULOADMODEL']._serialized_end=599
-  _globals['_MCULOADSCHEDULE']._serialized_start=601
-  _globals['_MCULOADSCHEDULE']._serialized_end=655
-  _globals['_MCUPARAMCHUNK']._serialized_start=657
-  _globals['_MCUPARAMCHUNK']._serialized_end=733
-  _globals['_MCUBATCHCHUNK']._serialized_start=735
-  _globals['_MCUBATCHCHUNK']._serialized_end=798
-  _globals['_MCURUNSTEP']._serialized_start=800
-  _globals['_MCURUNSTEP']._serialized_end=826
-  _globals['_MCUINSTRUCTIONEVENT']._serialized_start=829
-  _globals['_MCUINSTRUCTIONEVENT']._serialized_end=1000
-  _globals['_MCUSTEPDONE']._serialized_start=1003
-  _globals['_MCUSTEPDONE']._serialized_end=1265
-  _globals['_MCUREADPARAMS']._serialized_start=1267
-  _globals['_MCUREADPARAMS']._serialized_end=1282
-  _globals['_MCUOK']._serialized_start=1284
-  _globals['_MCUOK']._serialized_end=1291
-  _globals['_MCUERROR']._serialized_start=1293
-  _globals['_MCUERROR']._serialized_end=1320
-  _globals['_MCUMESSAGE']._serialized_start=1323
-  _globals['_MCUMESSAGE']._serialized_end=1870
+  _globals['_MCUHELLO']._serialized_end=380
+  _globals['_MCUBOARDINFO']._serialized_start=383
+  _globals['_MCUBOARDINFO']._serialized_end=653
+  _globals['_MCULOADMODEL']._serialized_start=655
+  _globals['_MCULOADMODEL']._serialized_end=703
+  _globals['_MCULOADSCHEDULE']._serialized_start=705
+  _globals['_MCULOADSCHEDULE']._serialized_end=759
+  _globals['_MCUPARAMCHUNK']._serialized_start=761
+  _globals['_MCUPARAMCHUNK']._serialized_end=837
+  _globals['_MCUBATCHCHUNK']._serialized_start=839
+  _globals['_MCUBATCHCHUNK']._serialized_end=902
+  _globals['_MCURUNSTEP']._serialized_start=904
+  _globals['_MCURUNSTEP']._serialized_end=930
+  _globals['_MCUINSTRUCTIONEVENT']._serialized_start=933
+  _globals['_MCUINSTRUCTIONEVENT']._serialized_end=1104
+  _globals['_MCUSTEPDONE']._serialized_start=1107
+  _globals['_MCUSTEPDONE']._serialized_end=1369
+  _globals['_MCUREADPARAMS']._serialized_start=1371
+  _globals['_MCUREADPARAMS']._serialized_end=1386
+  _globals['_MCUOK']._serialized_start=1388
+  _globals['_MCUOK']._serialized_end=1395
+  _globals['_MCUERROR']._serialized_start=1397
+  _globals['_MCUERROR']._serialized_end=1424
+  _globals['_MCUMESSAGE']._serialized_start=1427
+  _globals['_MCUMESSAGE']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

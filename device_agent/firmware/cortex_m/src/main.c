@@ -16,7 +16,7 @@
 #include <string.h>
 
 #define PROTOCOL_VERSION 1u
-#define PARAM_CHUNK_FLOATS 1000u  /* 4000 data bytes: an McuParamChunk well inside one frame */
+#define PARAM_CHUNK_FLOATS 1000u  /* 4000 data bytes: an McuParamChunk well inside one message */
 
 static poet_v1_McuMessage request;  /* large: a Schedule fits in it */
 static poet_v1_McuMessage reply;
@@ -64,8 +64,10 @@ static bool reply_error(const char *message)
 
 static bool reply_status(bool ok) { return ok ? reply_ok() : reply_error(fw_error_message); }
 
-static void reply_board_info(void)
+/* A hello's link settings hold from its reply on. */
+static void reply_board_info(const poet_v1_McuHello *hello)
 {
+    link_configure(hello->max_fragment_bytes, hello->ack_timeout_ms);
     memset(&reply, 0, sizeof reply);
     reply.which_body = poet_v1_McuMessage_board_info_tag;
     poet_v1_McuBoardInfo *info = &reply.body.board_info;
@@ -79,6 +81,8 @@ static void reply_board_info(void)
     info->tick_hz = board_config.tick_hz;
     info->session_id = link_session();
     info->emulated = board_config.emulated;
+    info->max_fragment_bytes = link_max_fragment();
+    info->ack_timeout_ms = link_ack_timeout_ms();
     send_reply();
 }
 
@@ -178,11 +182,11 @@ static void handle(const uint8_t *payload, uint32_t length, bool is_hello)
             reply_error("a frame with session 0 must carry an McuHello");
             return;
         }
-        reply_board_info();
+        reply_board_info(&request.body.hello);
         return;
     }
     switch (request.which_body) {
-    case poet_v1_McuMessage_hello_tag: reply_board_info(); break;
+    case poet_v1_McuMessage_hello_tag: reply_board_info(&request.body.hello); break;
     case poet_v1_McuMessage_load_model_tag:
         reply_status(request.body.load_model.has_model ? model_load(&request.body.load_model.model)
                                                        : fail("McuLoadModel without a model"));
