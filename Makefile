@@ -37,6 +37,10 @@ demo: setup
 	$(BIN)/poet demo --model resnet18_cifar --flash-dir $(DEMO_DIR) --steps 3
 	# the fleet: a coordinator and two boards on loopback, each fine-tuning on its own data and budget
 	$(BIN)/python -m host.fleet.demo --dir $(DEMO_DIR)/fleet
+	# a Cortex-M4 on QEMU: mlp at batch 160 does not fit its 256 KiB arena plainly; its schedule pages to flash,
+	# and the board's parameters are compared with PyTorch's
+	$(BIN)/poet mcu run --qemu --model mlp --batch-size 160 --ram-budget 250000 --no-remat --steps 2 \
+		--work-dir $(DEMO_DIR)/mcu
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -165,6 +165,7 @@ def _one_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # ~8 s: the bridge waits out its connect timeout
 def test_no_board_on_the_serial_line_is_a_one_line_error(cert_dir, tmp_path):
     from device_agent.serial_bridge.qemu import free_loopback_port
 

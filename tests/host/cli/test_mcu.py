@@ -37,6 +37,7 @@ def test_a_model_that_does_not_fit_the_arena_trains_under_a_paging_schedule_as_p
     assert "step 2/2" in done.stderr  # progress on stderr, the JSON alone on stdout
 
 
+@pytest.mark.slow  # ~5 s: a QEMU boot
 @needs_toolchain
 def test_keep_all_training_of_a_small_model_reports_its_figures(tmp_path):
     done = poet("mcu", "run", "--qemu", "--model", TINY, "--ram-budget", "100%", "--steps", "3", "--json")
@@ -55,6 +56,7 @@ def test_keep_all_training_of_a_small_model_reports_its_figures(tmp_path):
     (("--model", "host.graph.examples:small_cnn_images", "--ram-budget", "100%"),
      "the firmware takes a float32 batch of [batch, features]"),
 ])
+@pytest.mark.slow  # ~5 s each: a solve and a QEMU boot
 def test_what_the_board_cannot_do_is_refused_with_the_fix(argv, message):
     done = poet("mcu", "run", "--qemu", *argv, "--steps", "1")
     assert done.returncode == 2, done.stderr
@@ -73,6 +75,7 @@ def test_bad_flags_exit_2_naming_them(argv, message):
     assert message in done.stderr
 
 
+@pytest.mark.slow  # ~10 s: two QEMU boots, every frame of the lossy one resent ~2.8 times
 @needs_toolchain
 def test_through_a_link_that_corrupts_one_byte_in_a_hundred_training_ends_with_the_same_parameters():
     """--link-corrupt 1%: a proxy corrupts 1% of the bytes each way and drops 0.1%; the link cuts messages into

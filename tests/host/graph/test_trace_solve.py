@@ -26,6 +26,7 @@ def test_hugging_face_bert_traces_and_solves():
     assert report.peak_ram_bytes <= budget
 
 
+@pytest.mark.slow  # ~20 s: a residual CNN traced and solved with the MILP
 def test_residual_cnn_traces_and_solves_below_its_peak():
     priced, budget, result = _solve_at("resnet18_cifar", 0.7, platform="m4")
     assert result.status in {"optimal", "feasible"}

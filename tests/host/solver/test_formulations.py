@@ -71,6 +71,7 @@ def test_ours_is_never_infeasible_or_worse_than_the_papers_many_graphs(seed, siz
     _compare(seed, size, share, page_j_per_byte, runtime_factor)
 
 
+@pytest.mark.slow  # ~11 s: the paper's MILP beside ours
 def test_backward_recomputation_is_allowed_when_it_is_the_only_way():
     """A graph where only recomputing a backward node fits: the paper's formulation allows it, so must ours."""
     for seed in range(40):
