@@ -208,8 +208,8 @@ class Fleet:
         The result and the telemetry travel apart: a result can arrive while its last events are in flight.
         """
         self.wait_run(run_id, timeout_s)
-        return wait_until(lambda: (run := self.show(run_id))["status"] != "done"
-                          or run["events_stored"] >= run["events_emitted"] and run, 60,
+        return wait_until(lambda: ((run := self.show(run_id))["status"] != "done"
+                                   or run["events_stored"] >= run["events_emitted"]) and run, 60,
                           f"the events of run {run_id} to be stored", interval_s=0.3)
 
     def wait_steps(self, run_id: str, at_least: int, timeout_s: float = 60) -> dict:
