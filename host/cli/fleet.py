@@ -439,21 +439,23 @@ def cmd_calibrate(args, console: Console, op: Operator) -> int:
             console.print(f"{info.calibration_id} {info.status}: `poet profiles list --agent {info.agent}` shows the "
                           f"stored version once it is done")
         return EXIT_OK
-    last_stage = None
+    stages_logged = 0
     try:
         while info.status == "running":
-            if args.wait and info.stage != last_stage:  # a new stage is logged; a stage's progress is a live line
-                stage, _, detail = info.stage.partition(": ")
-                if stage != (last_stage or "").partition(": ")[0]:
+            if args.wait:  # each stage is logged once, even one that began and ended between two polls;
+                for stage in info.stages[stages_logged:]:  # the current stage's progress is a live line
                     console.log(f"  {info.agent}: {stage}")
-                elif detail:
+                stages_logged = max(stages_logged, len(info.stages))
+                if info.stage.partition(": ")[2]:
                     console.status.line(f"  {info.agent}: {info.stage}")
-                last_stage = info.stage
             time.sleep(POLL_INTERVAL_S)
             info = op.call("GetCalibration", op.pb.GetCalibrationRequest(calibration_id=info.calibration_id))
     except KeyboardInterrupt:
         console.log(f"stopped waiting; calibration {info.calibration_id} goes on on the coordinator")
         raise
+    if args.wait:
+        for stage in info.stages[stages_logged:]:  # stages passed since the last poll
+            console.log(f"  {info.agent}: {stage}")
     if info.status != "done":
         raise CliError(f"calibration {info.calibration_id} of {info.agent} failed: {info.error}")
     report = json.loads(info.report_json)

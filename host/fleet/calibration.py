@@ -181,6 +181,7 @@ class Calibration:
     batch_size: int
     status: str = "running"  # running | done | failed
     stage: str = "starting"
+    stages: list[str] = field(default_factory=lambda: ["starting"])  # each stage entered, in order
     run_ids: list[str] = field(default_factory=list)
     report: dict[str, Any] | None = None
     error: str = ""
@@ -191,12 +192,18 @@ class Calibration:
             return fleet_pb2.CalibrationInfo(
                 calibration_id=self.calibration_id, agent=self.agent, status=self.status, stage=self.stage,
                 run_ids=list(self.run_ids), report_json=serde.dumps(self.report) if self.report is not None else "",
-                error=self.error)
+                error=self.error, stages=list(self.stages))
 
     def set_stage(self, text: str) -> None:
+        """Enter a stage ("what: progress"); only a new ``what`` is logged and kept in ``stages``."""
+        head = text.partition(": ")[0]
         with self.lock:
             self.stage = text
-        log.info("calibration %s of %s: %s", self.calibration_id, self.agent, text)
+            entered = head != self.stages[-1]
+            if entered:
+                self.stages.append(head)
+        if entered:
+            log.info("calibration %s of %s: %s", self.calibration_id, self.agent, text)
 
 
 def _registry(coordinator) -> dict[str, Calibration]:
@@ -289,8 +296,7 @@ def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], 
                                     f"{RUN_TIMEOUT_S:g} s; is the board online (`poet fleet list`)?")
         if calibration is not None:
             progress = ", ".join(f"{r.run_id} {r.status} step {r.metrics.get('steps_done') or 0}" for r in waiting)
-            with calibration.lock:
-                calibration.stage = f"{what}: {progress}"
+            calibration.set_stage(f"{what}: {progress}")
         time.sleep(POLL_S)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from device_agent import protos
 from host.fleet import serde
-from host.fleet.calibration import fit_and_heldout_steps, telemetry_steps
+from host.fleet.calibration import Calibration, fit_and_heldout_steps, telemetry_steps
 from tests.e2e.conftest import cert_dir, dump, fleet, shards, wait_until  # noqa: F401 (fixtures)
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
@@ -47,6 +47,17 @@ def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
                         "cpu_s": 0.0, "energy_source": "measured:rapl", "timing_source": "", "energy_j": 2.0}
     assert steps[1]["step"] == 2 and steps[1]["duration_s"] == 0.8 and "energy_j" not in steps[1]
     assert steps[1]["timing_source"] == "emulated:qemu"  # the refinement skips runs timed by an emulator
+
+
+def test_a_calibration_remembers_every_stage_it_entered_so_a_slow_poller_misses_none():
+    calibration = Calibration("cal-1", "b1", "op", ["mlp"], 20, 8)
+    calibration.set_stage("PROFILE job: the board measures its compute and flash")
+    calibration.set_stage("solving mlp (keep-all) on profile v1")
+    calibration.set_stage("calibration runs: run-1 running step 3")
+    calibration.set_stage("calibration runs: run-1 running step 4")  # progress within a stage: not a new one
+    info = calibration.info()
+    assert list(info.stages) == ["starting", "PROFILE job", "solving mlp (keep-all) on profile v1", "calibration runs"]
+    assert info.stage == "calibration runs: run-1 running step 4"
 
 
 def test_fit_and_heldout_halves_interleave_after_the_warmup_step():
