@@ -113,8 +113,10 @@ def calibrate_profile(
 # ------------------------------------------------------------------------------------------ fleet calibration
 # fit_profile fits what the paper's model lacks, from a board's telemetry of real runs (any schedules):
 #
-#   node compute s  = node_overhead[direction] + ops x op_overhead[direction]
+#   node compute s  = node_overhead[direction] + class_node_overhead[direction, op_class] + ops x op_overhead[direction]
 #                     + flops / rate[op_class, direction] + traffic bytes / memory rate[direction]
+#                     (a class's own overhead is shrunk weakly towards 0: the direction's takes what all share,
+#                     and is what classes never measured cost)
 #                     (direction: fwd | bwd; traffic: the node's output plus its inputs' outputs)
 #   page transfer s = latency[direction] + bytes / throughput[direction]
 #   step s          = computes + transfers + param_bytes / optimizer_bytes_per_s
@@ -129,6 +131,7 @@ def calibrate_profile(
 FLOP_RATE_CAP_PER_S = 1e14  # a class whose time the fit puts wholly in the overhead gets this rate
 TRANSFER_RATE_CAP_BYTES_PER_S = 1e13  # a direction whose time the fit puts wholly in the latency gets this rate
 TRANSFER_SIZE_SPREAD = 1.5  # transfers whose sizes span less than this factor fit one scale factor, not two terms
+SHRINK_WEIGHT = 0.01  # how strongly a class's own node overhead is pulled towards 0 (the direction's takes the rest)
 WARMUP_STEPS = 1  # a run's first steps are left out (allocator and cache warm-up)
 
 
@@ -157,10 +160,13 @@ def _check_graph(run: CalibrationRun) -> None:
             )
 
 
-def _nnls(rows: list[list[float]], targets: list[float], scales: list[float] | None = None):
+def _nnls(rows: list[list[float]], targets: list[float], scales: list[float] | None = None,
+          shrink: Sequence[int] = ()):
     """Non-negative least squares on relative errors: min sum ((row . x - t) / scale)^2, x >= 0.
 
-    ``scales`` defaults to the targets themselves (each row's own relative error).
+    ``scales`` defaults to the targets themselves (each row's own relative error). The columns in ``shrink`` are
+    pulled weakly towards 0 (SHRINK_WEIGHT, on equilibrated columns): where they and other columns describe the
+    same time, the others take it.
     """
     import numpy as np
     from scipy.optimize import nnls
@@ -170,7 +176,12 @@ def _nnls(rows: list[list[float]], targets: list[float], scales: list[float] | N
     b = np.asarray(targets, dtype=np.float64) / scale
     column_norms = np.linalg.norm(a, axis=0)  # columns span FLOPs to counts: equilibrate for the solver
     column_norms[column_norms == 0] = 1.0
-    solution, _ = nnls(a / column_norms, b, maxiter=50 * a.shape[1] + 100)
+    a = a / column_norms
+    if shrink:
+        penalty = np.zeros((len(shrink), a.shape[1]))
+        penalty[np.arange(len(shrink)), list(shrink)] = SHRINK_WEIGHT
+        a, b = np.vstack([a, penalty]), np.concatenate([b, np.zeros(len(shrink))])
+    solution, _ = nnls(a, b, maxiter=50 * a.shape[1] + 100)
     return solution / column_norms
 
 
@@ -195,13 +206,18 @@ def _fit_transfers(profile: PlatformProfile, kind: str,
              else TRANSFER_RATE_CAP_BYTES_PER_S}, "least squares")
 
 
-def compute_features(node, traffic_bytes: float) -> dict[tuple[str, str], float]:
-    """A node compute's terms in the fitted model: (term, direction) -> its multiplier."""
+def compute_features(node, traffic_bytes: float) -> dict[tuple[str, str, str], float]:
+    """A node compute's terms in the fitted model: (term, direction, op_class or "") -> its multiplier.
+
+    Terms: "node" (the direction's fixed cost per compute: the executor's call), "class_node" (this op class's
+    fixed cost on top: a kernel's set-up, which makes a small conv far slower than its FLOPs say), "op" (per aten
+    op), "bytes" (tensor traffic) and "flops" (1 / the class's rate).
+    """
     direction = "bwd" if node.kind == "bwd" else "fwd"
-    features = {("node", direction): 1.0, ("op", direction): float(node.op_count),
-                ("bytes", direction): traffic_bytes}
+    features = {("node", direction, ""): 1.0, ("class_node", direction, node.op_class): 1.0,
+                ("op", direction, ""): float(node.op_count), ("bytes", direction, ""): traffic_bytes}
     if node.flops > 0:
-        features[(node.op_class, direction)] = float(node.flops)
+        features[("flops", direction, node.op_class)] = float(node.flops)
     return features
 
 
@@ -265,27 +281,31 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
         rows.append(row)
         targets.append(seconds)
         scales.append(step_compute_s)
-    x = _nnls(rows, targets, scales)
+    x = _nnls(rows, targets, scales, shrink=[i for (term, _, _), i in index.items() if term == "class_node"])
     rates = {"fwd": dict(profile.flops_per_s), "bwd": dict(profile.bwd_flops_per_s or {})}
-    for (term, direction), i in index.items():
+    class_overheads: dict[str, dict[str, float]] = {}
+    for (term, direction, op_class), i in index.items():
         if term == "node":
             changes[f"{direction}_node_overhead_s"] = float(x[i])
+        elif term == "class_node":
+            if x[i] > 1e-9:  # below a nanosecond: the solver's round-off
+                class_overheads.setdefault(direction, {})[op_class] = float(x[i])
         elif term == "op":
             changes[f"{direction}_op_overhead_s"] = float(x[i])
         elif term == "bytes":
             changes[f"{direction}_memory_bytes_per_s"] = 1.0 / float(x[i]) if x[i] > 0 else None
         else:
-            op_class = term
             rates[direction][op_class] = 1.0 / x[i] if x[i] > 1.0 / FLOP_RATE_CAP_PER_S else FLOP_RATE_CAP_PER_S
             field = "flops_per_s" if direction == "fwd" else "bwd_flops_per_s"
             sources[f"compute.{field}.{op_class}"] = f"{note}: least squares on step-relative error"
     for direction in ("fwd", "bwd"):  # classes never measured in a direction take that direction's median rate
-        measured = [rates[direction][c] for c, d in index if d == direction and c not in ("node", "op", "bytes")]
+        measured = [rates[direction][c] for term, d, c in index if term == "flops" and d == direction]
         if measured:
             rates[direction].setdefault(DEFAULT_OP_CLASS, statistics.median(measured))
     changes["flops_per_s"] = rates["fwd"]
     changes["bwd_flops_per_s"] = rates["bwd"] or None
-    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s"):
+    changes["class_node_overhead_s"] = class_overheads or None
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s"):
         sources[f"compute.{key}"] = f"{note}: least squares on step-relative error"
 
     for kind, observed in transfers.items():

@@ -38,7 +38,7 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
     output_bytes = np.array([node.output_bytes for node in graph.nodes], dtype=np.float64)
     flops_per_s = np.array([profile.flops_per_s_for(node.op_class, node.kind) for node in graph.nodes],
                            dtype=np.float64)
-    overhead_s = np.array([profile.node_overhead_s_for(node.kind, node.op_count) for node in graph.nodes],
+    overhead_s = np.array([profile.node_overhead_s_for(node.kind, node.op_count, node.op_class) for node in graph.nodes],
                           dtype=np.float64)
     memory_s_per_byte = np.array([1.0 / rate if (rate := profile.memory_bytes_per_s_for(node.kind)) else 0.0
                                   for node in graph.nodes], dtype=np.float64)

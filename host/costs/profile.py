@@ -28,6 +28,8 @@ Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profil
     "compute": {
       "bwd_flops_per_s": {"matmul": ...},           # backward nodes' rates (else the forward ones)
       "node_overhead_s": {"fwd": ..., "bwd": ...},  # seconds per node compute (the executor's call)
+      "class_node_overhead_s": {"fwd": {"conv": ...}, "bwd": {...}},  # plus this per compute of a class's node
+                                                    # (a kernel's fixed cost: a small conv is far from its FLOP rate)
       "op_overhead_s": {"fwd": ..., "bwd": ...},    # seconds per aten op a node runs (dispatch)
       "memory_bytes_per_s": {"fwd": ..., "bwd": ...}  # a node's output + input bytes at this rate
     },
@@ -90,6 +92,8 @@ class PlatformProfile:
     bwd_node_overhead_s: float = 0.0  # fixed seconds per bwd compute
     fwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
     bwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
+    class_node_overhead_s: dict[str, dict[str, float]] | None = None  # "fwd"|"bwd" -> op_class -> fixed seconds
+    # per compute of a node of that class, on top of the direction's node overhead
     fwd_memory_bytes_per_s: float | None = None  # a fwd/loss compute's output and input bytes move at this rate
     bwd_memory_bytes_per_s: float | None = None  # the same for a bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
@@ -106,11 +110,14 @@ class PlatformProfile:
             return rates.get(op_class, rates.get(DEFAULT_OP_CLASS, self.flops_per_s_for(op_class)))
         return self.flops_per_s.get(op_class, self.flops_per_s[DEFAULT_OP_CLASS])
 
-    def node_overhead_s_for(self, kind: str, op_count: int = 1) -> float:
-        """Fixed seconds of one compute of a ``kind`` node running ``op_count`` aten ops."""
-        if kind == "bwd":
-            return self.bwd_node_overhead_s + op_count * self.bwd_op_overhead_s
-        return self.fwd_node_overhead_s + op_count * self.fwd_op_overhead_s
+    def node_overhead_s_for(self, kind: str, op_count: int = 1, op_class: str | None = None) -> float:
+        """Fixed seconds of one compute of a ``kind`` node of ``op_class`` running ``op_count`` aten ops."""
+        direction = "bwd" if kind == "bwd" else "fwd"
+        by_class = (self.class_node_overhead_s or {}).get(direction, {})
+        class_s = by_class.get(op_class, 0.0) if op_class is not None else 0.0
+        if direction == "bwd":
+            return self.bwd_node_overhead_s + op_count * self.bwd_op_overhead_s + class_s
+        return self.fwd_node_overhead_s + op_count * self.fwd_op_overhead_s + class_s
 
     def memory_bytes_per_s_for(self, kind: str) -> float | None:
         """Rate at which a ``kind`` node's tensors move through memory; None: not priced."""
@@ -128,6 +135,8 @@ class PlatformProfile:
             compute["node_overhead_s"] = {"fwd": self.fwd_node_overhead_s, "bwd": self.bwd_node_overhead_s}
         if self.fwd_op_overhead_s or self.bwd_op_overhead_s:
             compute["op_overhead_s"] = {"fwd": self.fwd_op_overhead_s, "bwd": self.bwd_op_overhead_s}
+        if self.class_node_overhead_s:
+            compute["class_node_overhead_s"] = {kind: dict(values) for kind, values in self.class_node_overhead_s.items()}
         rates = {kind: rate for kind, rate in (("fwd", self.fwd_memory_bytes_per_s),
                                                ("bwd", self.bwd_memory_bytes_per_s)) if rate is not None}
         if rates:
@@ -185,7 +194,7 @@ _TOP_KEYS = (
     "sources",
 )
 _COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s",
-                 "op_overhead_s", "memory_bytes_per_s")
+                 "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s")
 _STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
@@ -215,7 +224,7 @@ def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CL
     paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
     paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
     paths += ["compute.bwd_flops_per_s", *(f"compute.bwd_flops_per_s.{c}" for c in flops_classes)]
-    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s"):
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s"):
         paths += [f"compute.{key}", f"compute.{key}.fwd", f"compute.{key}.bwd"]
     paths += ["step", *(f"step.{key}" for key in _STEP_KEYS), "idle_power_w"]
     return tuple(paths)
@@ -307,6 +316,16 @@ class _Validator:
         node_overhead_s = per_direction("node_overhead_s", "seconds", False)
         op_overhead_s = per_direction("op_overhead_s", "seconds", False)
         memory_bytes_per_s = per_direction("memory_bytes_per_s", "bytes per second", True)
+        class_node_overhead_s = None
+        if compute.get("class_node_overhead_s") is not None:
+            by_direction = self._object(compute["class_node_overhead_s"], "compute.class_node_overhead_s",
+                                        ("fwd", "bwd"), ())
+            class_node_overhead_s = {
+                kind: {op_class: self._number(value, f"compute.class_node_overhead_s.{kind}.{op_class}", "seconds",
+                                              positive=False)
+                       for op_class, value in self._object(values, f"compute.class_node_overhead_s.{kind}",
+                                                           (DEFAULT_OP_CLASS, *OP_CLASSES), ()).items()}
+                for kind, values in by_direction.items()}
         step = self._object(data.get("step", {}), "step", _STEP_KEYS, ())
         optimizer_bytes_per_s = (
             self._number(step["optimizer_bytes_per_s"], "step.optimizer_bytes_per_s", "bytes per second", positive=True)
@@ -360,6 +379,7 @@ class _Validator:
             bwd_node_overhead_s=node_overhead_s.get("bwd", 0.0),
             fwd_op_overhead_s=op_overhead_s.get("fwd", 0.0),
             bwd_op_overhead_s=op_overhead_s.get("bwd", 0.0),
+            class_node_overhead_s=class_node_overhead_s,
             fwd_memory_bytes_per_s=memory_bytes_per_s.get("fwd"),
             bwd_memory_bytes_per_s=memory_bytes_per_s.get("bwd"),
             optimizer_bytes_per_s=optimizer_bytes_per_s,

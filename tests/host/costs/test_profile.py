@@ -268,6 +268,14 @@ def _mutated(mutate) -> dict:
             "unknown field(s) 'compute.flops_per_s.attention'; allowed in field 'compute.flops_per_s': default, input",
         ),
         (
+            lambda d: d["compute"].__setitem__("class_node_overhead_s", {"fwd": {"conv": -1e-4}}),
+            "field 'compute.class_node_overhead_s.fwd.conv' must be a non-negative number in seconds, got -0.0001",
+        ),
+        (
+            lambda d: d["compute"].__setitem__("class_node_overhead_s", {"fwd": {"attention": 1e-4}}),
+            "unknown field(s) 'compute.class_node_overhead_s.fwd.attention'",
+        ),
+        (
             lambda d: d["sources"].__setitem__("page_in.latency_ms", "x"),
             "'sources' has an entry for unknown field 'page_in.latency_ms'",
         ),
