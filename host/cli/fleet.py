@@ -440,13 +440,18 @@ def cmd_calibrate(args, console: Console, op: Operator) -> int:
                           f"stored version once it is done")
         return EXIT_OK
     stages_logged = 0
+
+    def log_new_stages() -> None:  # each stage once, even one that began and ended between two polls
+        nonlocal stages_logged
+        for stage in info.stages[stages_logged:]:
+            console.log(f"  {info.agent}: {stage}")
+        stages_logged = max(stages_logged, len(info.stages))
+
     try:
         while info.status == "running":
-            if args.wait:  # each stage is logged once, even one that began and ended between two polls;
-                for stage in info.stages[stages_logged:]:  # the current stage's progress is a live line
-                    console.log(f"  {info.agent}: {stage}")
-                stages_logged = max(stages_logged, len(info.stages))
-                if info.stage.partition(": ")[2]:
+            if args.wait:
+                log_new_stages()
+                if info.stage.partition(": ")[2]:  # the current stage's progress is a live line
                     console.status.line(f"  {info.agent}: {info.stage}")
             time.sleep(POLL_INTERVAL_S)
             info = op.call("GetCalibration", op.pb.GetCalibrationRequest(calibration_id=info.calibration_id))
@@ -454,8 +459,7 @@ def cmd_calibrate(args, console: Console, op: Operator) -> int:
         console.log(f"stopped waiting; calibration {info.calibration_id} goes on on the coordinator")
         raise
     if args.wait:
-        for stage in info.stages[stages_logged:]:  # stages passed since the last poll
-            console.log(f"  {info.agent}: {stage}")
+        log_new_stages()
     if info.status != "done":
         raise CliError(f"calibration {info.calibration_id} of {info.agent} failed: {info.error}")
     report = json.loads(info.report_json)

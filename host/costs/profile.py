@@ -113,8 +113,7 @@ class PlatformProfile:
     def node_overhead_s_for(self, kind: str, op_count: int = 1, op_class: str | None = None) -> float:
         """Fixed seconds of one compute of a ``kind`` node of ``op_class`` running ``op_count`` aten ops."""
         direction = "bwd" if kind == "bwd" else "fwd"
-        by_class = (self.class_node_overhead_s or {}).get(direction, {})
-        class_s = by_class.get(op_class, 0.0) if op_class is not None else 0.0
+        class_s = (self.class_node_overhead_s or {}).get(direction, {}).get(op_class, 0.0)
         if direction == "bwd":
             return self.bwd_node_overhead_s + op_count * self.bwd_op_overhead_s + class_s
         return self.fwd_node_overhead_s + op_count * self.fwd_op_overhead_s + class_s
