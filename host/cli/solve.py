@@ -24,7 +24,8 @@ from host.cli.common import (
     solve_keywords,
 )
 from host.cli.display import format_bytes
-from host.run.solve import ModelSource, SolveSettings, pareto, prepare_solve, run_solve
+from host.graph.training_graph import OPTIMIZER_STATE
+from host.run.solve import DEFAULT_OPTIMIZER, ModelSource, SolveSettings, pareto, prepare_solve, run_solve
 
 
 def _stem(model: str, platform: str) -> str:
@@ -35,7 +36,8 @@ def cmd_solve(args, console: Console) -> int:
     """Trace, price, solve; then write the schedule and plots, print the plan, and exit by its status."""
     settings = SolveSettings(**solve_keywords(args))
     source = ModelSource(args.model, **model_keywords(args))
-    problem = prepare_solve(source, args.platform, args.ram_budget, settings, log=console.log)
+    problem = prepare_solve(source, args.platform, args.ram_budget, settings, log=console.log,
+                            optimizer=args.optimizer)
     graph, peak, budget = problem.graph, problem.no_remat_peak_bytes, problem.ram_budget_bytes
     if not args.json:
         console.print(f"model     {args.model}: {graph.size} nodes, {len(graph.edges)} edges, "
@@ -98,8 +100,9 @@ def _print_plan(console: Console, summary: dict, instructions: int) -> None:
                   f"paging {summary['paging_j']:.6g} J; {summary['energy_source']})")
     console.print(f"runtime   {summary['runtime_s']:.6g} s of {summary['runtime_budget_s']:.6g} s allowed")
     console.print(f"RAM       peak {format_bytes(summary['peak_ram_bytes'])} of "
-                  f"{format_bytes(summary['ram_budget_bytes'])}; fixed (weights, grads, optimizer, batch, statistics) "
-                  f"{format_bytes(summary['fixed_bytes'])}")
+                  f"{format_bytes(summary['ram_budget_bytes'])}, controlled by the schedule")
+    fixed = fixed_text(summary["fixed_bytes"], summary["fixed_breakdown_bytes"], summary["optimizer"])
+    console.print(f"fixed     {fixed}")
     console.print(f"plan      {summary['recomputes']} recomputes, {summary['page_outs']} page-outs, "
                   f"{summary['page_ins']} page-ins, {instructions} instructions (validated)")
     if summary["schedule_file"]:
@@ -108,12 +111,22 @@ def _print_plan(console: Console, summary: dict, instructions: int) -> None:
         console.print(f"plot      {path}")
 
 
+def fixed_text(fixed_bytes: int, breakdown: dict[str, int], optimizer: str) -> str:
+    """The fixed bytes and what they hold, the optimizer's state named by its optimizer."""
+    def short(value: int) -> str:
+        return format_bytes(value, exact=False)
+
+    return (f"{format_bytes(fixed_bytes)} beside the budget: weights {short(breakdown['params'])}, their gradients "
+            f"{short(breakdown['param_grads'])}, {optimizer} state {short(breakdown['optimizer_state'])}, batch, "
+            f"buffers and statistics {short(breakdown['other'])}")
+
+
 def cmd_pareto(args, console: Console) -> int:
     keywords = model_keywords(args)
     keywords.pop("seed")
     report = pareto(args.model, args.platform, points=args.points, runtime_budget=args.runtime_budget,
                     time_limit_s=args.time_limit, solver=args.solver, formulation=args.formulation,
-                    log=console.log, **keywords)
+                    optimizer=args.optimizer, log=console.log, **keywords)
     rows = report.rows
     plot_path = None
     if args.plot:
@@ -136,9 +149,17 @@ def cmd_pareto(args, console: Console) -> int:
         console.print(f"{row['ram_budget_bytes']:>14,.0f}  {row['method']:<24} {row['status']:<11} {energy:>12} "
                       f"{peak:>12} {row.get('recomputes') or 0:>6} {row.get('page_ins') or 0:>5} "
                       f"{row.get('page_outs') or 0:>6}")
+    console.print(f"fixed     {fixed_text(report.fixed_bytes, report.fixed_breakdown_bytes, report.optimizer)}")
     if plot_path:
         console.print(f"plot      {plot_path}")
     return EXIT_OK
+
+
+def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--optimizer", choices=list(OPTIMIZER_STATE), default=DEFAULT_OPTIMIZER,
+                        help="the optimizer training will use (as `poet train --optimizer`); its state is part of the "
+                             f"fixed bytes: sgd keeps a momentum buffer per trainable weight, adamw two and a step "
+                             f"count (default: {DEFAULT_OPTIMIZER})")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -155,6 +176,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="count paging time in the runtime budget (default: not counted, as in the paper)")
     solve.add_argument("--mip-gap", type=mip_gap, default=1e-3, metavar="GAP",
                        help="relative gap that counts as optimal, in [0, 1] (default 0.001 = 0.1%%)")
+    add_optimizer_arg(solve)
     add_json_arg(solve)
     solve.add_argument("--plot", metavar="DIR", type=directory_path,
                        help="write PNGs of the schedule matrices and RAM over time to this directory, created if "
@@ -170,6 +192,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(sweep)
     add_solver_args(sweep, threads=False)
     sweep.add_argument("--points", type=int_at_least(2), default=6, metavar="N", help="number of RAM budgets, >= 2 (default 6)")
+    add_optimizer_arg(sweep)
     add_json_arg(sweep)
     sweep.add_argument("--plot", metavar="DIR", type=directory_path,
                        help="write a PNG of the frontier to this directory, created if missing (default: no plot)")

@@ -271,6 +271,7 @@ class Coordinator:
         from host.solver.solve import minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 
         profile, which = self.board_profile(agent, request.profile_version)
+        graph = graph.with_optimizer(optimizer)  # its state is fixed bytes: in the auto budget and the schedule
         priced = price_graph(graph, profile)
         floor = minimum_ram_bytes(priced)
         budget_kind = request.ram_budget.WhichOneof("budget")
@@ -290,7 +291,7 @@ class Coordinator:
                            f"bytes; give the board more memory or pick a smaller model or batch"), None
         digest = profile_digest(profile)
         paging, remat = not request.no_paging, not request.no_remat
-        key = (graph.fingerprint(), digest, budget, float(runtime_factor), paging, remat)
+        key = (graph.fingerprint(), digest, budget, float(runtime_factor), paging, remat, optimizer)
         with self._solve_lock:
             cached = self._schedules.get(key)
             if cached is None:
@@ -499,9 +500,8 @@ def auto_budget_text(facts: dict[str, Any], graph, optimizer: str = "sgd") -> st
 
 
 def fixed_bytes(graph, optimizer: str = "sgd") -> int:
-    """The graph's fixed bytes; AdamW's two moments per weight when the graph counted no optimizer state."""
-    extra = 2 * graph.param_bytes if optimizer == "adamw" and not graph.optimizer_state_bytes else 0
-    return graph.fixed_bytes + extra
+    """The graph's fixed bytes with ``optimizer``'s state (the one rule: TrainingGraph.with_optimizer)."""
+    return graph.with_optimizer(optimizer).fixed_bytes
 
 
 def profile_digest(profile) -> str:

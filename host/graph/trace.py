@@ -278,7 +278,7 @@ def _training_graph(
     graph = builder.build(
         param_bytes=trainable_bytes,
         param_grad_bytes=trainable_bytes,
-        optimizer_state_bytes=0,
+        param_tensors=sum(1 for p in bundle.module.parameters() if p.requires_grad),
         other_fixed_bytes=buffer_bytes + frozen_bytes + bundle.labels.numel() * bundle.labels.element_size()
         + batch_bytes + sum(group.pinned_bytes for group in groups),
     )

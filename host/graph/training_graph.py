@@ -2,11 +2,13 @@
 
 Every schedulable quantity lives here: a node's output bytes (what it occupies while kept in RAM),
 its FLOPs and its dependencies. Weights, weight gradients and optimizer state are fixed bytes,
-reported next to the budget and never scheduled.
+reported next to the budget and never scheduled. A graph is traced without an optimizer; the state
+of the one training uses is added by :meth:`TrainingGraph.with_optimizer`, from :data:`OPTIMIZER_STATE`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -17,6 +19,29 @@ NODE_KINDS: tuple[str, ...] = ("fwd", "loss", "bwd")
 
 class GraphError(ValueError):
     """A TrainingGraph that breaks an invariant (order, dependency, size)."""
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What one optimizer keeps per trainable parameter tensor once it has stepped (frozen ones get nothing).
+
+    ``buffers`` tensors shaped and typed like the parameter, plus ``scalar_bytes`` of per-parameter scalars.
+    """
+
+    buffers: int
+    scalar_bytes: int = 0
+
+    def state_bytes(self, trainable_bytes: int, trainable_tensors: int) -> int:
+        return self.buffers * trainable_bytes + self.scalar_bytes * trainable_tensors
+
+
+# The state of each optimizer `make_optimizer` builds (device_agent/executor/executor.py: OPTIMIZERS), as torch
+# allocates it on the first step. tests/host/run/test_optimizer_state.py checks it against the real optimizers.
+OPTIMIZER_STATE: dict[str, OptimizerState] = {
+    "sgd": OptimizerState(buffers=1),  # momentum 0.9: one momentum_buffer per parameter (none without momentum)
+    # exp_avg and exp_avg_sq, and `step`, a float32 0-dim tensor per parameter (not fused, not capturable)
+    "adamw": OptimizerState(buffers=2, scalar_bytes=4),
+}
 
 
 @dataclass(frozen=True)
@@ -42,9 +67,11 @@ class TrainingGraph:
     nodes: list[GraphNode]
     param_bytes: int = 0  # weights
     param_grad_bytes: int = 0  # weight gradients
-    optimizer_state_bytes: int = 0  # e.g. AdamW moments; 0 for plain SGD
+    optimizer_state_bytes: int = 0  # set by with_optimizer (a traced graph has none: it does not know the optimizer)
     other_fixed_bytes: int = 0  # e.g. the batch and its labels, buffers, pinned statistics
     meta: dict = field(default_factory=dict)
+    param_tensors: int = 0  # trainable parameter tensors (param_bytes is their size): per-tensor optimizer state
+    optimizer: str | None = None  # whose state optimizer_state_bytes counts (None: none counted)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +124,19 @@ class TrainingGraph:
     def fixed_bytes(self) -> int:
         return self.param_bytes + self.param_grad_bytes + self.optimizer_state_bytes + self.other_fixed_bytes
 
+    def fixed_breakdown_bytes(self) -> dict[str, int]:
+        """The fixed bytes by kind: weights, their gradients, the optimizer's state, the rest (batch, buffers...)."""
+        return {"params": self.param_bytes, "param_grads": self.param_grad_bytes,
+                "optimizer_state": self.optimizer_state_bytes, "other": self.other_fixed_bytes}
+
+    def with_optimizer(self, optimizer: str) -> TrainingGraph:
+        """This graph with ``optimizer``'s state in its fixed bytes (a copy; the nodes are shared)."""
+        rule = OPTIMIZER_STATE.get(optimizer)
+        if rule is None:
+            raise GraphError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE)}")
+        state = rule.state_bytes(self.param_grad_bytes, self.param_tensors)
+        return dataclasses.replace(self, optimizer_state_bytes=state, optimizer=optimizer, meta=dict(self.meta))
+
     @property
     def total_flops(self) -> int:
         return sum(node.flops for node in self.nodes)
@@ -124,6 +164,8 @@ class TrainingGraph:
             "param_grad_bytes": self.param_grad_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "other_fixed_bytes": self.other_fixed_bytes,
+            **({"param_tensors": self.param_tensors} if self.param_tensors else {}),
+            **({"optimizer": self.optimizer} if self.optimizer else {}),
             "nodes": [
                 {
                     "name": n.name,
@@ -162,6 +204,8 @@ class TrainingGraph:
             param_grad_bytes=int(data.get("param_grad_bytes", 0)),
             optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
             other_fixed_bytes=int(data.get("other_fixed_bytes", 0)),
+            param_tensors=int(data.get("param_tensors", 0)),
+            optimizer=data.get("optimizer"),
         )
 
 

@@ -14,6 +14,17 @@ from host.run.sources import ModelSource, load_platform
 from host.solver.solve import DEFAULT_TIME_LIMIT_S, FORMULATIONS
 
 SOLVERS = ("highs", "cbc", "gurobi")
+DEFAULT_OPTIMIZER = "sgd"  # as `poet train`'s default
+
+
+def checked_optimizer(optimizer: Any) -> str:
+    """``optimizer`` if it is one whose state the plan can count (the names `poet train` takes), else InputError."""
+    from host.graph.training_graph import OPTIMIZER_STATE
+
+    if optimizer not in OPTIMIZER_STATE:
+        raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE)} (its state is part "
+                         "of the fixed bytes)")
+    return optimizer
 
 
 @dataclass
@@ -61,7 +72,10 @@ class SolveSettings:
 
 @dataclass
 class SolveProblem:
-    """A traced, priced model with its RAM budget in bytes: everything the solver needs."""
+    """A traced, priced model with its RAM budget in bytes: everything the solver needs.
+
+    ``optimizer`` names the optimizer training will use: its state counts in the reported fixed bytes.
+    """
 
     model: str
     resolved: Any  # host.graph.resolve.ResolvedModel
@@ -71,6 +85,7 @@ class SolveProblem:
     ram_budget_bytes: float
     settings: SolveSettings
     started: float  # time.perf_counter() when the model started loading
+    optimizer: str = DEFAULT_OPTIMIZER
 
     @property
     def graph(self):
@@ -101,7 +116,9 @@ class SolveReport:
     ram_budget_bytes: float
     no_remat_peak_bytes: int
     minimum_ram_bytes: int
-    fixed_bytes: int
+    fixed_bytes: int  # weights, their gradients, the optimizer's state, the batch, buffers: see fixed_breakdown_bytes
+    optimizer: str
+    fixed_breakdown_bytes: dict[str, int]
     recomputes: int | None
     page_ins: int | None
     page_outs: int | None
@@ -139,19 +156,22 @@ class SolveReport:
 
 
 def prepare_solve(source: ModelSource, platform: Any, ram_budget: Any, settings: SolveSettings,
-                  log: Callable[[str], None] = lambda message: None) -> SolveProblem:
+                  log: Callable[[str], None] = lambda message: None,
+                  optimizer: str = DEFAULT_OPTIMIZER) -> SolveProblem:
     """Trace and price the model, resolve the RAM budget against its no-remat peak."""
     from host.costs import price_graph
     from host.solver.solve import no_remat_peak_bytes
 
     started = time.perf_counter()
+    optimizer = checked_optimizer(optimizer)
     budget = values.checked("ram_budget", values.RamBudget.parse, ram_budget)
     profile = load_platform(platform, log=log)
     log(f"tracing {source.name}")
     resolved = source.resolve()
-    priced = price_graph(resolved.graph, profile)
+    priced = price_graph(resolved.graph.with_optimizer(optimizer), profile)  # the schedule's fixed bytes count it
     peak = no_remat_peak_bytes(priced)
-    return SolveProblem(source.name, resolved, profile, priced, peak, budget.resolve(peak), settings, started)
+    return SolveProblem(source.name, resolved, profile, priced, peak, budget.resolve(peak), settings, started,
+                        optimizer)
 
 
 def run_solve(problem: SolveProblem, progress: Callable[[Any], None] | None = None) -> SolveReport:
@@ -160,6 +180,7 @@ def run_solve(problem: SolveProblem, progress: Callable[[Any], None] | None = No
 
     result = solve_schedule(problem.priced, problem.settings.options(problem.ram_budget_bytes), progress=progress)
     report, schedule, graph = result.report, result.schedule, problem.graph
+    planned = graph.with_optimizer(problem.optimizer)  # the fixed bytes with the optimizer's state
 
     def figure(name: str):
         return getattr(report, name) if report is not None else None
@@ -178,7 +199,9 @@ def run_solve(problem: SolveProblem, progress: Callable[[Any], None] | None = No
         ram_budget_bytes=problem.ram_budget_bytes,
         no_remat_peak_bytes=problem.no_remat_peak_bytes,
         minimum_ram_bytes=result.minimum_ram_bytes,
-        fixed_bytes=graph.fixed_bytes,
+        fixed_bytes=planned.fixed_bytes,
+        optimizer=problem.optimizer,
+        fixed_breakdown_bytes=planned.fixed_breakdown_bytes(),
         recomputes=figure("recomputes"),
         page_ins=figure("page_ins"),
         page_outs=figure("page_outs"),
@@ -219,6 +242,7 @@ def solve(
     batch_size: int | None = None,
     granularity: str = "layer",
     seed: int = 0,
+    optimizer: str = DEFAULT_OPTIMIZER,
     progress: Callable[[Any], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> SolveReport:
@@ -253,6 +277,8 @@ def solve(
     - ``batch_size``: batch size of a zoo or ``poet2022:`` model (default: the model's), >= 1.
     - ``granularity``: ``layer`` (default), ``block`` or ``op``: how traced ops become schedulable nodes.
     - ``seed``: seed of a named model's weights and batch (default 0).
+    - ``optimizer``: the optimizer training will use, ``sgd`` (momentum: one buffer per trainable weight,
+      default) or ``adamw`` (two, and a step count): its state is part of ``fixed_bytes``.
     - ``progress``: called with ``host.solver.milp.SolverProgress`` reports (elapsed_s, incumbent_j,
       bound_j, gap, phase) while solving.
     - ``log``: called with one-line messages (default: silent).
@@ -265,7 +291,8 @@ def solve(
                              paging_in_runtime=paging_in_runtime)
     source = ModelSource(model, inputs=inputs, labels=labels, loss_fn=loss_fn, input_shape=input_shape,
                          batch_size=batch_size, granularity=granularity, seed=seed)
-    problem = prepare_solve(source, platform, ram_budget, settings, log=log or (lambda message: None))
+    problem = prepare_solve(source, platform, ram_budget, settings, log=log or (lambda message: None),
+                            optimizer=optimizer)
     return run_solve(problem, progress=progress)
 
 
@@ -278,6 +305,9 @@ class ParetoReport:
     energy_source: str
     runtime_budget: float
     rows: list[dict[str, Any]]
+    optimizer: str = DEFAULT_OPTIMIZER
+    fixed_bytes: int = 0  # as in SolveReport: every row adds these to its controlled RAM
+    fixed_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -296,12 +326,14 @@ def pareto(
     batch_size: int | None = None,
     granularity: str = "layer",
     seed: int = 0,
+    optimizer: str = DEFAULT_OPTIMIZER,
     log: Callable[[str], None] | None = None,
 ) -> ParetoReport:
     """Energy against RAM budget, at ``points`` budgets from the hard floor to the no-remat peak.
 
     ``model``, ``platform``, ``runtime_budget``, ``time_limit_s`` (per solve), ``solver``, ``formulation``,
-    ``input_shape``, ``batch_size``, ``granularity`` and ``seed`` are as in :func:`solve`; ``points`` >= 2
+    ``input_shape``, ``batch_size``, ``granularity``, ``seed`` and ``optimizer`` (its state is in ``fixed_bytes``)
+    are as in :func:`solve`; ``points`` >= 2
     (default 6); ``log`` gets a line per solve. Each row has ``ram_budget_bytes``, ``method``, ``status``,
     ``energy_j``, ``runtime_s``, ``peak_ram_bytes``, ``recomputes``, ``page_ins`` and ``page_outs``.
     """
@@ -309,13 +341,17 @@ def pareto(
     from host.solver.pareto import pareto_sweep
 
     points = values.checked("points", values.count, points, minimum=2)
+    optimizer = checked_optimizer(optimizer)
     settings = SolveSettings(runtime_budget=runtime_budget, time_limit_s=time_limit_s, solver=solver,
                              formulation=formulation)
     source = ModelSource(model, input_shape=input_shape, batch_size=batch_size, granularity=granularity, seed=seed)
     log = log or (lambda message: None)
     profile = load_platform(platform, log=log)
     log(f"tracing {source.name}")
-    priced = price_graph(source.resolve().graph, profile)
+    graph = source.resolve().graph
+    priced = price_graph(graph, profile)
     rows = pareto_sweep(priced, points=points, runtime_factor=settings.runtime_budget, solver=settings.solver,
                         time_limit_s=settings.time_limit_s, progress=log, formulation=settings.formulation)
-    return ParetoReport(source.name, profile.name, profile.energy_source, settings.runtime_budget, rows)
+    planned = graph.with_optimizer(optimizer)
+    return ParetoReport(source.name, profile.name, profile.energy_source, settings.runtime_budget, rows, optimizer,
+                        planned.fixed_bytes, planned.fixed_breakdown_bytes())

@@ -207,7 +207,8 @@ def _train_report(prepared: Prepared, run: RunResult, *, plain: bool, steps: int
         model=prepared.model, mode="plain" if plain else "schedule", platform=profile.name,
         predicted_platform=None, predicted_energy_source=None, measured_energy_source=run.energy_source,
         steps=steps, optimizer=optimizer, losses=run.losses, ram_budget_bytes=prepared.ram_budget_bytes,
-        no_remat_peak_bytes=prepared.no_remat_peak_bytes, fixed_bytes=prepared.resolved.graph.fixed_bytes,
+        no_remat_peak_bytes=prepared.no_remat_peak_bytes,
+        fixed_bytes=prepared.resolved.graph.with_optimizer(optimizer).fixed_bytes,
         measured=Measured(
             peak_tracked_bytes=None if plain else run.peak_tracked_bytes,
             step_s=run.median_step_s,

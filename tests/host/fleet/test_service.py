@@ -164,7 +164,7 @@ def test_auto_budget_arithmetic_and_does_not_fit_with_the_minimum(cert_dir, coor
     graph = package_model(MODEL, coordinator.coordinator.models_dir).graph
     floor = minimum_ram_bytes(price_graph(graph, load_profile("a72")))
     rss = 200 * MIB
-    overhead = graph.fixed_bytes + rss + service.AUTO_MARGIN_BYTES
+    overhead = graph.with_optimizer("sgd").fixed_bytes + rss + service.AUTO_MARGIN_BYTES  # sgd: the default
     register(cert_dir, coordinator.port, "pi-1", memory_limit_bytes=overhead + floor + 1000, runtime_rss_bytes=rss)
     register(cert_dir, coordinator.port, "pi-small", memory_limit_bytes=overhead + floor // 2, runtime_rss_bytes=rss,
              ram_available_bytes=4096 * MIB)  # the limit wins over available RAM
