@@ -273,6 +273,7 @@ class ScheduleExecutor:
         self.pinned_bytes = 0  # pinned internals held by live graphs (fixed bytes, outside the schedule)
         self.peak_pinned_bytes = 0
         self._rng_states: dict[int, torch.Tensor] = {}
+        self._loss_divisor = 1  # micro-batches per optimizer step (gradient accumulation)
         self._hook_error: BaseException | None = None
         self._buffers = unique_by_identity(b for p in partition.programs.values() for b in p.buffers)
         self._buffer_copies = [b.detach().clone() for b in self._buffers]  # for rollback after a failed step
@@ -304,8 +305,17 @@ class ScheduleExecutor:
         inputs: tuple[torch.Tensor, ...],
         labels: torch.Tensor,
         optimizer: torch.optim.Optimizer | None = None,
+        *,
+        micro_batch: int = 0,
+        micro_batches: int = 1,
     ) -> StepResult:
-        """Forward, loss and backward under the schedule, then ``optimizer.step()`` (when given)."""
+        """Forward, loss and backward under the schedule, then ``optimizer.step()`` (when given).
+
+        Gradient accumulation, as eager ``(loss / micro_batches).backward()`` per micro-batch: micro-batch 0
+        starts from no gradients, later ones add to them, and only the last one steps the optimizer.
+        """
+        if not 0 <= micro_batch < micro_batches:
+            raise ExecutorError(f"micro-batch {micro_batch} of {micro_batches}: expected 0 <= micro_batch < micro_batches")
         partition = self.partition
         if len(inputs) != len(partition.batch_values):
             raise ExecutorError(f"model {partition.name!r} takes {len(partition.batch_values)} input(s), got {len(inputs)}")
@@ -319,8 +329,10 @@ class ScheduleExecutor:
         self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
         # The caller holds the batch all step: its bytes are fixed (the trace prices the input node at 0).
         self.ram.fixed_storages = frozenset(k for t in self._inputs if (k := storage_key(t)) is not None)
-        for param in partition.parameters:
-            param.grad = None
+        self._loss_divisor = micro_batches
+        if micro_batch == 0:
+            for param in partition.parameters:
+                param.grad = None
         with torch.no_grad():  # persistent copies: no allocation per step
             for copy, buffer in zip(self._buffer_copies, self._buffers, strict=True):
                 copy.copy_(buffer)
@@ -389,7 +401,7 @@ class ScheduleExecutor:
                 raise ExecutorError("tensors are left in RAM or on flash at the end of the step")
             self._drop_records()
             t0 = time.perf_counter()
-            if optimizer is not None:
+            if optimizer is not None and micro_batch == micro_batches - 1:
                 optimizer.step()
             optimizer_s = time.perf_counter() - t0
         except BaseException:
@@ -560,6 +572,8 @@ class ScheduleExecutor:
             shape, dtype = record.root_meta[name]
             if name == partition.loss_value:
                 total = torch.ones(shape, dtype=dtype)
+                if self._loss_divisor != 1:  # autograd's DivBackward of (loss / micro_batches): the same op
+                    total = total / self._loss_divisor
             else:
                 total = None
                 for consumer in partition.grad_senders.get(name, ()):
@@ -717,16 +731,21 @@ def plain_train_step(
     inputs: tuple[torch.Tensor, ...],
     labels: torch.Tensor,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    micro_batch: int = 0,
+    micro_batches: int = 1,
 ) -> float:
-    """Ordinary eager PyTorch training step (the reference the executor must match); returns the loss."""
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    else:
+    """Ordinary eager PyTorch training step (the reference the executor must match); returns the loss.
+
+    With ``micro_batches`` > 1, the user's gradient accumulation: ``(loss / micro_batches).backward()``, gradients
+    cleared before micro-batch 0 and the optimizer stepped after the last.
+    """
+    if micro_batch == 0:
         for param in module.parameters():
             param.grad = None
     loss = loss_fn(module(*inputs), labels)
-    loss.backward()
-    if optimizer is not None:
+    (loss / micro_batches if micro_batches != 1 else loss).backward()
+    if optimizer is not None and micro_batch == micro_batches - 1:
         optimizer.step()
     return float(loss.detach())
 

@@ -45,8 +45,13 @@ def _run(args, console: Console, body) -> int:
 
 
 def _run_keywords(args) -> dict[str, Any]:
-    return dict(optimizer=args.optimizer, lr=args.lr, flash_dir=args.flash_dir, schedule=args.schedule,
+    return dict(optimizer=args.optimizer, accumulate_steps=args.accumulate, lr=args.lr, flash_dir=args.flash_dir, schedule=args.schedule,
                 threads=args.threads, allocator=args.allocator, **solve_keywords(args), **model_keywords(args))
+
+
+def _micro(report) -> str:
+    """`` x N micro-batches`` when a step accumulates gradients."""
+    return f" x {report.accumulate_steps} micro-batches" if report.accumulate_steps > 1 else ""
 
 
 def _budget_check(parser: argparse.ArgumentParser):
@@ -75,7 +80,7 @@ def _train(args, console: Console) -> int:
 
 def print_train(console: Console, report: TrainReport) -> None:
     measured = report.measured
-    console.print(f"model     {report.model}  ({report.mode}, {report.steps} steps, {report.optimizer})")
+    console.print(f"model     {report.model}  ({report.mode}, {report.steps} steps{_micro(report)}, {report.optimizer})")
     if report.solve_status:
         console.print(f"solve     {status_text(report.solve_status, report.solve_gap)}")
     console.print(f"loss      {report.losses[0]:.6g} -> {report.losses[-1]:.6g}")
@@ -117,7 +122,7 @@ def _verify(args, console: Console) -> int:
         console.print_json(report.to_dict())
     else:
         verdict = "OK" if report.ok else "FAILED"
-        console.print(f"verify    {verdict}: {report.model}, {report.steps} steps of {report.optimizer}")
+        console.print(f"verify    {verdict}: {report.model}, {report.steps} steps{_micro(report)} of {report.optimizer}")
         exact = " (bitwise equal)" if report.bitwise_equal else ""
         console.print(f"params    max abs diff {report.max_abs_param_diff:.3g}, max rel diff "
                       f"{report.max_rel_param_diff:.3g} (tolerance {report.tolerance_rel:g}){exact}")
@@ -167,6 +172,9 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                         help="sgd (momentum 0.9) or adamw (default: sgd)")
+    parser.add_argument("--accumulate", type=positive_int, default=1, metavar="N",
+                        help="micro-batches per optimizer step (gradient accumulation), >= 1; the schedule is solved "
+                             "for one micro-batch, so N times the batch trains in the same RAM (default 1)")
     parser.add_argument("--lr", type=learning_rate, default=None, metavar="LR",
                         help="learning rate, > 0 (default: 0.01 for sgd, 0.001 for adamw)")
     parser.add_argument("--seed", type=seed_int, default=0, metavar="N",

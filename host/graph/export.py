@@ -112,7 +112,7 @@ def export_program(bundle: ModelBundle) -> torch.export.ExportedProgram:
     ``.module()`` of the result, through :func:`device_agent.executor.split.make_schedulable`, is the program
     the trace groups; a board rebuilds the same from the saved archive.
     """
-    wrapper = _LossWrapper(bundle.module, bundle.loss_fn)
+    wrapper = _LossWrapper(bundle.module, bundle.training_loss)
     # On failure torch logs a warning and prints partial graphs to stderr; the TraceError says it better,
     # so that output is held back and replayed only when export succeeds.
     shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")

@@ -2,7 +2,8 @@
 
 Groups follow ``nn_module_stack`` at the chosen granularity. View ops join their producer's group; ops that
 depend only on constants and buffers (or read a tensor only for its shape, like ``zeros_like``) join their first
-consumer's group; views of parameters/buffers are replicated into every group that reads them. Groups are
+consumer's group; views of parameters, buffers and batch inputs (``x.view(-1, 16)``, ``x.transpose(1, 2)``)
+own no memory and are replicated into every group that reads them. Groups are
 annotated on the fx nodes (``node.meta[GROUP_META_KEY]``), and :func:`build_group_module` cuts one group out
 of the program as a standalone GraphModule.
 """
@@ -83,10 +84,11 @@ def _display_parts(rel: str, prefix: list[str]) -> list[str]:
 def assign_groups(
     gm: GraphModule, user_inputs: list[Node], trainable_targets: set[str], granularity: str, block_depth: int
 ) -> tuple[list[Draft], list[str], set[Node]]:
-    """Drafts in graph order (input, model groups, loss), the module-path prefix dropped from names, attribute views.
+    """Drafts in graph order (input, model groups, loss), the module-path prefix dropped from names, shared views.
 
-    Attribute views (views of parameters, buffers or constants) own no memory and are replicated into
-    every group that reads them, so they never become an edge between groups.
+    Shared views (views of parameters, buffers, constants or batch inputs) own no memory and are replicated
+    into every group that reads them, so they never become an edge between groups. The input node runs no
+    op, so a view of a batch input must run in the groups that read it.
     """
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module") and not is_guard(n)]
     paths: dict[Node, str] = {}
@@ -103,7 +105,8 @@ def assign_groups(
     group_of: dict[Node, Draft] = dict.fromkeys(user_inputs, input_draft)
     anchored: set[Node] = set(user_inputs)
     anchored.update(n for n in gm.graph.nodes if n.op == "get_attr" and n.target in trainable_targets)
-    attr_views: set[Node] = set()
+    shared_views: set[Node] = set()
+    batch_inputs = set(user_inputs)
     deferred: list[Node] = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in calls:
@@ -115,8 +118,8 @@ def assign_groups(
             continue
         if is_view(node):
             base = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-            if base is not None and (base.op == "get_attr" or base in attr_views):
-                attr_views.add(node)
+            if base is not None and (base.op == "get_attr" or base in batch_inputs or base in shared_views):
+                shared_views.add(node)
             elif base is not None and base in group_of:
                 group_of[node] = group_of[base]
             else:
@@ -156,18 +159,18 @@ def assign_groups(
             group_of[node].nodes.append(node)
     for draft in ordered:
         needed: set[Node] = set()
-        stack = [a for n in draft.nodes for a in n.all_input_nodes if a in attr_views]
+        stack = [a for n in draft.nodes for a in n.all_input_nodes if a in shared_views]
         while stack:
             view = stack.pop()
             if view not in needed:
                 needed.add(view)
-                stack.extend(a for a in view.all_input_nodes if a in attr_views)
+                stack.extend(a for a in view.all_input_nodes if a in shared_views)
         draft.nodes = sorted([*draft.nodes, *needed], key=order.__getitem__)
     if not loss_draft.nodes:
         raise TraceError(
             "the loss_fn added no ops after the model output: return a scalar computed from output and labels"
         )
-    return ordered, prefix, attr_views
+    return ordered, prefix, shared_views
 
 
 def draft_names(
@@ -219,7 +222,7 @@ class Grouping:
 
     drafts: list[Draft]
     names: list[str]
-    attr_views: set[Node]  # replicated views of parameters/buffers: in every group that reads them
+    shared_views: set[Node]  # replicated views of parameters, buffers and batch inputs: in every group reading them
     group_index: dict[Node, int]  # fx node -> group index (attribute views excluded)
 
 
@@ -228,12 +231,12 @@ def group_program(
 ) -> Grouping:
     """Group ``gm``'s ops and annotate each fx node with its group (``node.meta[GROUP_META_KEY]``)."""
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    drafts, prefix, attr_views = assign_groups(gm, user_inputs, trainable, granularity, block_depth)
+    drafts, prefix, shared_views = assign_groups(gm, user_inputs, trainable, granularity, block_depth)
     names = draft_names(drafts, prefix, module, granularity, block_depth)
-    # Replicated attribute views are left unannotated: they belong to every group that reads them.
-    group_index = {node: i for i, draft in enumerate(drafts) for node in draft.nodes if node not in attr_views}
+    # Replicated shared views are left unannotated: they belong to every group that reads them.
+    group_index = {node: i for i, draft in enumerate(drafts) for node in draft.nodes if node not in shared_views}
     for node, index in group_index.items():
         node.meta[GROUP_META_KEY] = index
     for node in user_inputs:
         node.meta[GROUP_META_KEY] = 0
-    return Grouping(drafts, names, attr_views, group_index)
+    return Grouping(drafts, names, shared_views, group_index)

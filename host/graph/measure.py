@@ -258,14 +258,16 @@ def measure_forward(
         group.op_class = (
             "input" if group.index == 0 else ("loss" if group.kind == "loss" else dominant_class(group_facts))
         )
-        excluded = set(attr_keys)
-        if group.index != 0:
-            excluded.update(k for v in group.input_values for t in tensors(values[v]) if (k := storage_key(t)))
+        # An output that is an input's storage (dropout with p=0 returns its input) counts here too: the
+        # input's node may be freed while this output lives on, and the storage with it. Saved inputs do not.
+        inputs = set() if group.index == 0 else {
+            k for v in group.input_values for t in tensors(values[v]) if (k := storage_key(t))
+        }
         counted: set[tuple[int, int]] = set()
         totals = [0, 0]  # used outputs, saved internals
-        for part, found in (
-            (0, (t for v in group.output_values for t in tensors(values[v]))),
-            (1, iter(group_facts.saved)),
+        for part, found, excluded in (
+            (0, (t for v in group.output_values for t in tensors(values[v])), attr_keys),
+            (1, iter(group_facts.saved), attr_keys | inputs),
         ):
             for tensor in found:
                 key = storage_key(tensor)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from host.graph.zoo import ModelBundle, default_loss, seeded_labels
+from host.graph.zoo import ModelBundle, default_loss, output_tensor, seeded_labels
 
 __all__ = ["ModelSourceError", "load_factory_bundle", "parse_input_shape"]
 
@@ -181,7 +181,7 @@ def _bundle_from_parts(
         labels = seeded_labels(_probe_output_shape(spec, module, inputs), seed)
     loss_fn = parts.get("loss_fn") or default_loss
     name = parts.get("name") or spec
-    return ModelBundle(name=str(name), module=module.train(), inputs=inputs, labels=labels, loss_fn=loss_fn)
+    return ModelBundle(name=str(name), module=module, inputs=inputs, labels=labels, loss_fn=loss_fn)
 
 
 def _as_input_tuple(spec: str, inputs: Any) -> tuple[torch.Tensor, ...]:
@@ -203,7 +203,7 @@ def _probe_output_shape(spec: str, module: nn.Module, inputs: tuple[torch.Tensor
     try:
         module.eval()
         with torch.no_grad():
-            output = module(*inputs)
+            output = output_tensor(module(*inputs))
     except Exception as error:
         raise ModelSourceError(
             f"running the model from {spec!r} on inputs of shape {[tuple(t.shape) for t in inputs]} failed "

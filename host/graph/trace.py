@@ -117,7 +117,9 @@ def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: in
 
     ``granularity``: "layer" (one node per leaf module call, plus top-level ops such as residual adds),
     "block" (module path cut to ``block_depth`` levels) or "op" (one node per non-view aten op).
-    The module's buffers, train/eval modes and the global RNG are left as they were.
+    The module is traced as given: each submodule's own ``training`` flag (a BatchNorm frozen with ``.eval()``
+    keeps its running statistics; a dropout in eval mode is the identity). Its buffers, modes and the global
+    RNG are left as they were.
     """
     if granularity not in GRANULARITIES:
         raise TraceError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
@@ -127,7 +129,6 @@ def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: in
     module = bundle.module
     modes = [(m, m.training) for m in module.modules()]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    module.train()
     try:
         with torch.random.fork_rng(devices=[]):
             return _trace(bundle, granularity, block_depth, started)
@@ -199,7 +200,15 @@ def _loss_node(gm: GraphModule) -> Node:
 def _node_groups(gm: GraphModule, grouping: Grouping, user_inputs: list[Node]) -> list[NodeGroup]:
     """Each group's interface: the values it reads from other groups, the values others read, its attributes."""
     param_targets = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    group_index, attr_views = grouping.group_index, grouping.attr_views
+    group_index, shared_views = grouping.group_index, grouping.shared_views
+
+    def consumers(node: Node) -> list[Node]:
+        """The ops reading ``node``, looking through shared views (which every reading group runs itself)."""
+        found: list[Node] = []
+        for user in node.users:
+            found.extend(consumers(user) if user in shared_views else [user])
+        return found
+
     groups: list[NodeGroup] = []
     for index, (draft, name) in enumerate(zip(grouping.drafts, grouping.names, strict=True)):
         members = set(draft.nodes) | (set(user_inputs) if index == 0 else set())
@@ -217,8 +226,8 @@ def _node_groups(gm: GraphModule, grouping: Grouping, user_inputs: list[Node]) -
         outputs = [
             n.name
             for n in (user_inputs if index == 0 else []) + draft.nodes
-            if n not in attr_views
-            and any((u.op == "output") or (u in group_index and group_index[u] != index) for u in n.users)
+            if n not in shared_views
+            and any((u.op == "output") or (u in group_index and group_index[u] != index) for u in consumers(n))
         ]
         groups.append(
             NodeGroup(

@@ -9,7 +9,7 @@ the model. Nothing is downloaded: all weights are randomly initialised from a se
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "ModelSpec",
     "UnknownModelError",
     "default_loss",
+    "output_tensor",
     "get_model_spec",
     "list_models",
     "seeded_labels",
@@ -38,6 +39,27 @@ class ModelBundle:
     inputs: tuple[torch.Tensor, ...]  # positional args of module.forward, batch dim first
     labels: torch.Tensor
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, labels) -> scalar
+
+    def training_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` on the model's output as returned: a tensor, or a Hugging Face ``ModelOutput`` whose own
+        ``loss`` is trained on when the model computed one, and whose ``logits`` go to ``loss_fn`` otherwise."""
+        if isinstance(output, Mapping) and output.get("loss") is not None:
+            return output["loss"]
+        return self.loss_fn(output_tensor(output), labels)
+
+
+def output_tensor(output):
+    """The tensor a loss reads from a model's output: the output itself, or a Hugging Face ``ModelOutput``'s
+    ``logits`` (a ModelOutput is a Mapping whose unset fields are absent or None)."""
+    if not isinstance(output, Mapping):
+        return output
+    logits = output.get("logits")
+    if logits is None:
+        raise TypeError(
+            f"the model returned a {type(output).__name__} with {sorted(k for k, v in output.items() if v is not None)} "
+            "but no 'logits' (or 'loss'): return the tensor to train on, or give a loss_fn that reads the output"
+        )
+    return logits
 
 
 def default_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,11 @@ def local_energy_meter(profile=None):
 
 def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int,
                     flash_dir: str, profile=None, events=None, progress: ProgressFn | None = None,
-                    return_freed_memory: bool = False) -> RunResult:
+                    return_freed_memory: bool = False, accumulate_steps: int = 1) -> RunResult:
     """``steps`` steps of ``bundle``'s model under ``schedule`` (``bundle.module`` must be the traced one).
 
+    A step is ``accumulate_steps`` micro-batches (each the bundle's batch, run under the schedule, which is
+    solved per micro-batch) and one optimizer step; its loss is their mean, its time and energy their sum.
     Page files live in a private directory under ``flash_dir``; the executor removes it on the way out,
     also when a step raises (Ctrl-C, SIGTERM).
     """
@@ -87,24 +89,31 @@ def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: 
     with ScheduleExecutor(partition, schedule, flash_dir=flash_dir, events=events, energy_meter=meter,
                           return_freed_memory=return_freed_memory) as executor:
         for step in range(steps):
-            outcome = executor.train_step(bundle.inputs, bundle.labels, optimizer)
-            summary = outcome.summary
-            result.losses.append(outcome.loss)
-            result.step_s.append(outcome.duration_s)
-            result.energy_j.append(summary.energy_j)
-            result.peak_tracked_bytes = max(result.peak_tracked_bytes, outcome.peak_tracked_bytes)
-            result.executed.append(outcome.counters.plan_counts())
-            result.rss_peak_bytes = max(result.rss_peak_bytes, summary.rss_peak_bytes)
-            result.program_runs += summary.program_runs
-            result.backward_runs += summary.backward_runs
+            losses, step_s, energy_j = [], 0.0, 0.0
+            for micro_batch in range(accumulate_steps):
+                outcome = executor.train_step(bundle.inputs, bundle.labels, optimizer, micro_batch=micro_batch,
+                                              micro_batches=accumulate_steps)
+                summary = outcome.summary
+                losses.append(outcome.loss)
+                step_s += outcome.duration_s
+                energy_j += summary.energy_j
+                result.peak_tracked_bytes = max(result.peak_tracked_bytes, outcome.peak_tracked_bytes)
+                result.executed.append(outcome.counters.plan_counts())
+                result.rss_peak_bytes = max(result.rss_peak_bytes, summary.rss_peak_bytes)
+                result.program_runs += summary.program_runs
+                result.backward_runs += summary.backward_runs
+            result.losses.append(statistics.fmean(losses))
+            result.step_s.append(step_s)
+            result.energy_j.append(energy_j)
             if progress is not None:
-                progress(StepProgress("train", step + 1, steps, outcome.loss, outcome.duration_s))
+                progress(StepProgress("train", step + 1, steps, result.losses[-1], step_s))
     return result
 
 
 def train_plain(bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int, profile=None,
-                progress: ProgressFn | None = None) -> RunResult:
-    """Ordinary eager PyTorch training of ``bundle`` (the comparison and the reference)."""
+                progress: ProgressFn | None = None, accumulate_steps: int = 1) -> RunResult:
+    """Ordinary eager PyTorch training of ``bundle`` (the comparison and the reference), with the user's own
+    gradient accumulation over ``accumulate_steps`` micro-batches per optimizer step."""
     import torch
 
     from device_agent.executor import plain_train_step
@@ -112,15 +121,17 @@ def train_plain(bundle, *, steps: int, optimizer_name: str, lr: float | None, se
 
     optimizer = make_optimizer(optimizer_name, bundle.module.parameters(), lr)
     meter = local_energy_meter(profile)
-    bundle.module.train()
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the module is trained as given: each submodule keeps its own train/eval flag
     result = RunResult([], [], [], meter.source)
     rss = RssSampler()
     for step in range(steps):
         start = meter.read()
-        loss = plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
+        losses = [plain_train_step(bundle.module, bundle.training_loss, bundle.inputs, bundle.labels, optimizer,
+                                   micro_batch=micro_batch, micro_batches=accumulate_steps)
+                  for micro_batch in range(accumulate_steps)]
         end = meter.read()
         energy_j, _ = meter.energy_j(start, end)
+        loss = statistics.fmean(losses)
         result.losses.append(loss)
         result.step_s.append(end.wall_s - start.wall_s)
         result.energy_j.append(energy_j)

@@ -183,12 +183,13 @@ class TrainReport:
     measured_energy_source: str
     steps: int
     optimizer: str
-    losses: list[float]
+    losses: list[float]  # per optimizer step (the mean over its micro-batches)
     ram_budget_bytes: float
     no_remat_peak_bytes: int
     fixed_bytes: int
     measured: Measured
     events_file: str | None = None
+    accumulate_steps: int = 1  # micro-batches per optimizer step
     solve_status: str | None = None
     solve_gap: float | None = None
     predicted: Predicted | None = None
@@ -200,13 +201,13 @@ class TrainReport:
 
 
 def _train_report(prepared: Prepared, run: RunResult, *, plain: bool, steps: int, optimizer: str,
-                  events_file: str | None) -> TrainReport:
+                  events_file: str | None, accumulate_steps: int = 1) -> TrainReport:
     schedule = prepared.schedule
     profile = prepared.profile
     report = TrainReport(
         model=prepared.model, mode="plain" if plain else "schedule", platform=profile.name,
         predicted_platform=None, predicted_energy_source=None, measured_energy_source=run.energy_source,
-        steps=steps, optimizer=optimizer, losses=run.losses, ram_budget_bytes=prepared.ram_budget_bytes,
+        steps=steps, accumulate_steps=accumulate_steps, optimizer=optimizer, losses=run.losses, ram_budget_bytes=prepared.ram_budget_bytes,
         no_remat_peak_bytes=prepared.no_remat_peak_bytes,
         fixed_bytes=prepared.resolved.graph.with_optimizer(optimizer).fixed_bytes,
         measured=Measured(
@@ -244,7 +245,11 @@ _KEYWORDS = """
       (``"50%"``); optional with ``schedule`` (the schedule carries its budget).
     - ``inputs``, ``labels``, ``loss_fn``: the batch of an ``nn.Module`` model (tensor or tuple of
       tensors, batch first), its labels, and ``loss_fn(output, labels)`` (default cross-entropy).
-    - ``steps``: training steps, >= 1 (default {steps}).
+    - ``steps``: training steps (optimizer steps), >= 1 (default {steps}).
+    - ``accumulate_steps``: micro-batches per optimizer step, >= 1 (default 1): gradient accumulation as
+      eager ``(loss / accumulate_steps).backward()`` per micro-batch, the schedule solved per micro-batch (the
+      batch given or traced), so a larger effective batch fits the same RAM budget. Each micro-batch here is
+      the example batch; losses are per optimizer step (the mean of its micro-batches).
     - ``optimizer``: ``sgd`` (momentum 0.9, default) or ``adamw``; ``lr``: learning rate > 0 (default:
       sgd 0.01, adamw 0.001).
     - ``seed``: seed of a named model's weights and batch, and of the training RNG (default 0).
@@ -283,6 +288,7 @@ def train(
     labels: Any = None,
     loss_fn: Callable | None = None,
     steps: int = 5,
+    accumulate_steps: int = 1,
     optimizer: str = "sgd",
     lr: float | None = None,
     seed: int = 0,
@@ -323,6 +329,7 @@ def train(
     """
     log = log or _silent
     steps = values.checked("steps", values.count, steps)
+    accumulate_steps = values.checked("accumulate_steps", values.count, accumulate_steps)
     _check_training_keywords(optimizer, lr)
     source = ModelSource(model, inputs=inputs, labels=labels, loss_fn=loss_fn, input_shape=input_shape,
                          batch_size=batch_size, granularity=granularity, seed=seed)
@@ -353,17 +360,19 @@ def train(
     try:
         if plain:
             run = train_plain(bundle, steps=steps, optimizer_name=optimizer, lr=lr, seed=seed,
-                              profile=prepared.profile, progress=progress)
+                              profile=prepared.profile, progress=progress, accumulate_steps=accumulate_steps)
         else:
             run = train_scheduled(prepared.partition, prepared.schedule, bundle, steps=steps,
                                   optimizer_name=optimizer, lr=lr, seed=seed, flash_dir=os.fspath(flash_dir),
                                   profile=prepared.profile, events=stream, progress=progress,
-                                  return_freed_memory=allocator_mode(allocator, cgroup) == "return")
+                                  return_freed_memory=allocator_mode(allocator, cgroup) == "return",
+                                  accumulate_steps=accumulate_steps)
     finally:
         if writer is not None:
             writer.close()
     return _train_report(prepared, run, plain=plain, steps=steps, optimizer=optimizer,
-                         events_file=os.fspath(events) if events is not None else None)
+                         events_file=os.fspath(events) if events is not None else None,
+                         accumulate_steps=accumulate_steps)
 
 
 def _check_training_keywords(optimizer: str, lr: float | None) -> None:
@@ -382,6 +391,7 @@ class VerifyReport:
     model: str
     platform: str
     steps: int
+    accumulate_steps: int  # micro-batches per optimizer step
     optimizer: str
     max_abs_param_diff: float
     max_rel_param_diff: float
@@ -419,6 +429,7 @@ def verify(
     labels: Any = None,
     loss_fn: Callable | None = None,
     steps: int = 3,
+    accumulate_steps: int = 1,
     optimizer: str = "sgd",
     lr: float | None = None,
     seed: int = 0,
@@ -452,6 +463,7 @@ def verify(
     """
     log = log or _silent
     steps = values.checked("steps", values.count, steps)
+    accumulate_steps = values.checked("accumulate_steps", values.count, accumulate_steps)
     _check_training_keywords(optimizer, lr)
     source = ModelSource(model, inputs=inputs, labels=labels, loss_fn=loss_fn, input_shape=input_shape,
                          batch_size=batch_size, granularity=granularity, seed=seed)
@@ -468,9 +480,10 @@ def verify(
     scheduled = train_scheduled(prepared.partition, prepared.schedule, scheduled_bundle, steps=steps,
                                 optimizer_name=optimizer, lr=lr, seed=seed, flash_dir=os.fspath(flash_dir),
                                 profile=prepared.profile, progress=progress,
-                                return_freed_memory=allocator_mode(allocator, None) == "return")
+                                return_freed_memory=allocator_mode(allocator, None) == "return",
+                                accumulate_steps=accumulate_steps)
     plain = train_plain(plain_bundle, steps=steps, optimizer_name=optimizer, lr=lr, seed=seed,
-                        profile=prepared.profile, progress=progress)
+                        profile=prepared.profile, progress=progress, accumulate_steps=accumulate_steps)
     diffs = parameter_differences(scheduled_bundle.module, plain_bundle.module)
     planned = prepared.schedule.counts()
     planned_counts = {k: planned[k] for k in ("computes", "recomputes", "page_ins", "page_outs")}
@@ -481,6 +494,7 @@ def verify(
         model=prepared.model,
         platform=prepared.profile.name,
         steps=steps,
+        accumulate_steps=accumulate_steps,
         optimizer=optimizer,
         max_abs_param_diff=diffs["max_abs_param_diff"],
         max_rel_param_diff=diffs["max_rel_param_diff"],
