@@ -71,6 +71,7 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
         stubs = {f"device_agent/_generated/{name}" for name in protos.committed_stubs()}
         assert "device_agent/_generated/poet/v1/schedule_pb2.py" in stubs
         assert stubs <= shipped, f"the wheel lacks stubs: {sorted(stubs - shipped)}"
+        assert "poet/__init__.py" in shipped  # the paper's face ships, and refuses to load without the host extra
 
         _run([sys.executable, "-m", "venv", venv], env=env)
         python = venv / "bin" / "python"
@@ -89,6 +90,12 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
         import device_agent.serial_bridge.bridge  # the serial bridge installs with the agent, without the solver
         from device_agent.serde import read_schedule_file
 
+        try:
+            import poet
+            poet_import = "imported"
+        except ImportError as error:
+            poet_import = str(error)
+
         def installed(name):
             try:
                 importlib.metadata.distribution(name)
@@ -104,6 +111,7 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
             "cuda": [d.metadata["Name"] for d in importlib.metadata.distributions()
                      if d.metadata["Name"].lower().startswith("nvidia")],
             "torch": importlib.metadata.version("torch"),
+            "poet_import": poet_import,
         }}))
     """)
     report = json.loads(_run([python, "-c", probe], env=env, cwd=tmp_path).stdout)
@@ -114,5 +122,6 @@ def test_wheel_installs_the_agent_alone_and_reads_a_host_schedule(tmp_path):
     assert report["schedule"]["graph_name"] == "mlp" and report["schedule"]["instructions"]
     assert report["present"] == [], f"host-only packages came with the agent: {report['present']}"
     assert report["importable"] == [], f"solver or generator modules are importable: {report['importable']}"
+    assert "pip install poet-edge[host]" in report["poet_import"], report["poet_import"]
     # constraints.txt held torch at the CPU build of 2.13.0: no CUDA libraries came with it.
     assert report["torch"].startswith("2.13.0") and report["cuda"] == [], (report["torch"], report["cuda"])

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from poet.v1 import fleet_pb2 as poet_dot_v1_dot_fleet__pb2
+from device_agent._generated.poet.v1 import fleet_pb2 as poet_dot_v1_dot_fleet__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
