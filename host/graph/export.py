@@ -2,8 +2,9 @@
 
 ``torch.export.export(strict=False)`` runs on a wrapper whose forward returns ``loss_fn(model(*inputs), labels)``,
 so the loss is part of the program. The training IR keeps ``batch_norm`` in training mode and ``dropout`` as
-dropout. In-place ops on activations (``relu_``, ``+=``) are rewritten out of place when no later op reads the
-mutated tensor, so every node owns its output; buffer mutations (BatchNorm running statistics) stay in place.
+dropout; LSTM/GRU/RNN ops are unrolled into one cell per time step (:mod:`host.graph.recurrent`).
+In-place ops on activations (``relu_``, ``+=``) are rewritten out of place when no later op reads the mutated
+tensor, so every node owns its output; buffer mutations (BatchNorm running statistics) stay in place.
 An export failure becomes a :class:`TraceError` naming the user's file, line and module, and a fix.
 """
 
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from host.graph.recurrent import unroll_recurrent
 
 if TYPE_CHECKING:
     from host.graph.zoo import ModelBundle
@@ -127,4 +130,5 @@ def export_program(bundle: ModelBundle) -> torch.export.ExportedProgram:
     finally:
         shapes_log.setLevel(level)
     sys.stderr.write(held.getvalue())
+    unroll_recurrent(program)  # in the program itself, so the archive a board receives holds the cells
     return program

@@ -21,6 +21,7 @@ from device_agent.executor import split
 from device_agent.executor.split import is_guard, is_view, op_name
 from host.graph.export import MODEL_ATTR, TraceError
 from host.graph.op_tables import SHAPE_ONLY_OPS
+from host.graph.recurrent import RECURRENT_STEP_META_KEY
 
 if TYPE_CHECKING:
     from host.graph.trace import NodeGroup
@@ -133,8 +134,9 @@ def assign_groups(
             key: Any = ".".join(display[:block_depth])
         elif granularity == "op":
             key = node
-        else:
-            key = rel
+        else:  # a recurrent layer unrolled by host.graph.recurrent: one group per cell (time step)
+            step = node.meta.get(RECURRENT_STEP_META_KEY)
+            key = rel if step is None else (rel, step)
         if not primaries or primaries[-1].key != key:
             primaries.append(Draft(key, "fwd", rel))
         group_of[node] = primaries[-1]
@@ -194,6 +196,8 @@ def draft_names(
             except AttributeError:
                 is_leaf = False
             name = display if (display and is_leaf) else (f"{display}.{first_op}" if display else first_op)
+            if isinstance(draft.key, tuple):  # a recurrent cell: rnn.l0.t07
+                name = f"{name}.{draft.key[1]}"
         names.append(name)
     unique: list[str] = []
     counts: dict[str, int] = {}

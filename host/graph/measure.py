@@ -17,6 +17,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
 from host.graph.export import TraceError
+from host.graph.flops import flop_counter
 from host.graph.grouping import build_group_module, module_path
 from host.graph.op_tables import CLASS_PRIORITY, classify_op, op_name, tensors
 
@@ -181,7 +182,7 @@ def measure_backward(
     ]
     if not differentiable or not (leaves or params):
         return None
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         grads = torch.autograd.grad(
             differentiable,
             [leaf for _, leaf in leaves] + params,
@@ -205,7 +206,8 @@ def measure_backward(
             saved_groups.append(owner)
     return Backward(
         flops=counter.get_total_flops() + 2 * formula_flops,
-        grad_bytes=sum(g.numel() * g.element_size() for g in input_grads if g is not None),
+        # Storages, as the executor holds them: a stack/cat backward returns views of one gradient storage.
+        grad_bytes=sum(k[1] for k in {storage_key(g) for g in input_grads if g is not None} if k is not None),
         grad_inputs=tuple(name for (name, _), g in zip(leaves, input_grads, strict=True) if g is not None),
         saved_groups=tuple(saved_groups),
     )
@@ -229,7 +231,7 @@ def record_forward(
     labels: torch.Tensor,
 ) -> ForwardRun:
     """Run ``gm`` on detached ``inputs`` and ``labels`` with a GroupRecorder: FLOPs and saved tensors per group."""
-    recorder = GroupRecorder(gm, group_index, num_groups, FlopCounterMode(display=False))
+    recorder = GroupRecorder(gm, group_index, num_groups, flop_counter())
     with torch.enable_grad(), recorder.counter, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         loss = recorder.run(*(x.detach() for x in inputs), labels.detach())
     return ForwardRun(loss, {node.name: value for node, value in recorder.env.items()}, recorder.facts)

@@ -1,15 +1,12 @@
-"""Op tables: what an aten op is (view, class) and the FLOP formulas for the ops the counter skips.
+"""Op tables: what an aten op is (view, class) and which FLOP formula prices an op the counter skips.
 
-FLOPs: matmul/conv come from ``torch.utils.flop_counter``; for ops it reports 0 the trace uses
-elementwise/activation = output numel; norm = 5 x input numel (mean, variance, subtract, scale by
-1/std, affine); pooling = kernel elements x output numel; softmax = 5 x numel; loss = 3 x logits numel;
-reductions = input numel; attention (sdpa) = 4·B·H·L·S·E; data movement (embedding, cat, copies) = 0.
-A backward is the counter's backward FLOPs plus 2 x the forward FLOPs that came from formulas.
+The formulas themselves (and the counter's corrected ones for conv, LSTM, CPU attention and embedding) are in
+:mod:`host.graph.flops`, with the table of forward and backward FLOPs per op. A backward is the counter's
+backward FLOPs plus 2 x the forward FLOPs that came from formulas.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +14,7 @@ from typing import Any
 import torch
 
 from device_agent.executor.split import MAYBE_VIEW_OPS, VIEW_OPS, is_view, op_name
+from host.graph.flops import formula_flops, pool_flops, sdpa_flops
 
 __all__ = ["CLASS_PRIORITY", "SHAPE_ONLY_OPS", "classify_op", "is_view", "op_name", "tensors"]
 
@@ -84,21 +82,14 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors(item)
 
 
-def _pool_flops(name: str, match: re.Match, args: tuple, result: Any) -> int:
-    """Kernel elements x output numel; an adaptive pool's kernel is ceil(input / output) per dim."""
+def _pool_flops(match: re.Match, args: tuple, result: Any) -> int:
+    """:func:`host.graph.flops.pool_flops` from a pooling op's arguments and result."""
     dims = int(match.group(3))
     output = next(tensors(result), None)
     if output is None or not args or not isinstance(args[0], torch.Tensor):
         return 0
-    if match.group(1):
-        in_sizes = args[0].shape[-dims:]
-        out_sizes = output.shape[-dims:]
-        kernel = math.prod(math.ceil(i / max(o, 1)) for i, o in zip(in_sizes, out_sizes, strict=True))
-    else:
-        size = args[1] if len(args) > 1 else 1
-        sizes = [size] * dims if isinstance(size, int) else list(size)
-        kernel = math.prod(int(s) for s in sizes) if sizes else 1
-    return int(kernel * output.numel())
+    kernel_size = args[1] if len(args) > 1 and not match.group(1) else 1
+    return pool_flops(bool(match.group(1)), dims, args[0].shape, output.shape, kernel_size)
 
 
 def classify_op(name: str, args: tuple, result: Any) -> tuple[str, int]:
@@ -108,23 +99,21 @@ def classify_op(name: str, args: tuple, result: Any) -> tuple[str, int]:
         return "conv", 0
     if name in _SDPA_OPS:
         query, key, value = (a for a in args[:3])
-        length, width = query.shape[-2], query.shape[-1]
-        batch_heads = query.numel() // max(length * width, 1)
-        return "matmul", 2 * batch_heads * length * key.shape[-2] * (width + value.shape[-1])
+        return "matmul", sdpa_flops(query.shape, key.shape, value.shape)
     if name in _MATMUL_OPS:
         # Only reached for mv/dot-like ops the counter skips: 2 x the largest operand is exact there.
         return "matmul", 2 * max((_numel(a) for a in args), default=0)
     if name in _NORM_OPS:
-        return "norm", 5 * _numel(first)
+        return "norm", formula_flops("norm", _numel(first), 0)
     pool = _POOL_PATTERN.match(name)
     if pool:
-        return "pool", _pool_flops(name, pool, args, result)
+        return "pool", _pool_flops(pool, args, result)
     if name in _SOFTMAX_OPS:
-        return "elementwise", 5 * _numel(first)
+        return "elementwise", formula_flops("softmax", _numel(first), 0)
     if name in _LOSS_OPS:
-        return "loss", 3 * _numel(first)
+        return "loss", formula_flops("loss", _numel(first), 0)
     if name in _REDUCTION_OPS:
-        return "elementwise", _numel(first)
+        return "elementwise", formula_flops("reduction", _numel(first), 0)
     if name in _ZERO_FLOP_OPS:
         return "other", 0
-    return "elementwise", max((t.numel() for t in tensors(result)), default=0)
+    return "elementwise", formula_flops("pointwise", 0, max((t.numel() for t in tensors(result)), default=0))
