@@ -741,8 +741,11 @@ def plain_train_step(
     cleared before micro-batch 0 and the optimizer stepped after the last.
     """
     if micro_batch == 0:
-        for param in module.parameters():
-            param.grad = None
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            for param in module.parameters():
+                param.grad = None
     loss = loss_fn(module(*inputs), labels)
     (loss / micro_batches if micro_batches != 1 else loss).backward()
     if optimizer is not None and micro_batch == micro_batches - 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -20,15 +20,13 @@ from torch.fx import GraphModule, Node
 from device_agent.executor import split
 from device_agent.executor.split import is_guard, is_view, op_name
 from host.graph.export import MODEL_ATTR, TraceError
+from host.graph.groups import GroupInterface
 from host.graph.op_tables import SHAPE_ONLY_OPS
 from host.graph.recurrent import RECURRENT_STEP_META_KEY
 
-if TYPE_CHECKING:
-    from host.graph.trace import NodeGroup
-
 __all__ = [
     "GROUP_META_KEY", "INPUT_NODE", "LOSS_NODE", "Draft", "Grouping", "assign_groups", "build_group_module",
-    "draft_names", "group_program", "module_path",
+    "draft_names", "group_interfaces", "group_program", "module_path",
 ]  # fmt: skip
 
 INPUT_NODE = "input"
@@ -215,7 +213,7 @@ def draft_names(
     return unique
 
 
-def build_group_module(gm: GraphModule, group: NodeGroup) -> GraphModule:
+def build_group_module(gm: GraphModule, group: GroupInterface) -> GraphModule:
     """A GraphModule running only ``group``'s nodes: placeholders are its inputs, it returns its outputs."""
     return split.build_group_module(gm, group.index, group.fx_nodes, group.input_values, group.output_values)
 
@@ -244,3 +242,51 @@ def group_program(
     for node in user_inputs:
         node.meta[GROUP_META_KEY] = 0
     return Grouping(drafts, names, shared_views, group_index)
+
+
+def group_interfaces(gm: GraphModule, grouping: Grouping, user_inputs: list[Node]) -> list[GroupInterface]:
+    """Each group's interface: the values it reads from other groups, the values others read, its attributes."""
+    param_targets = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    group_index, shared_views = grouping.group_index, grouping.shared_views
+
+    def consumers(node: Node) -> list[Node]:
+        """The ops reading ``node``, looking through shared views (which every reading group runs itself)."""
+        found: list[Node] = []
+        for user in node.users:
+            found.extend(consumers(user) if user in shared_views else [user])
+        return found
+
+    groups: list[GroupInterface] = []
+    for index, (draft, name) in enumerate(zip(grouping.drafts, grouping.names, strict=True)):
+        members = set(draft.nodes) | (set(user_inputs) if index == 0 else set())
+        inputs: list[str] = []
+        attrs: list[Node] = []
+        for node in draft.nodes:
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    if arg not in attrs:
+                        attrs.append(arg)
+                elif arg not in members and arg.name not in inputs:
+                    inputs.append(arg.name)
+        if index == 0:
+            inputs = [p.name for p in user_inputs]
+        outputs = [
+            n.name
+            for n in (user_inputs if index == 0 else []) + draft.nodes
+            if n not in shared_views
+            and any((u.op == "output") or (u in group_index and group_index[u] != index) for u in consumers(n))
+        ]
+        groups.append(
+            GroupInterface(
+                index=index,
+                name=name,
+                kind="loss" if draft.kind == "loss" else "fwd",
+                module_path=draft.path,
+                fx_nodes=tuple(n.name for n in draft.nodes),
+                input_values=tuple(inputs),
+                output_values=tuple(outputs),
+                param_names=tuple(str(a.target) for a in attrs if a.target in param_targets),
+                buffer_names=tuple(str(a.target) for a in attrs if a.target not in param_targets),
+            )
+        )
+    return groups

@@ -10,24 +10,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
+from device_agent.executor.ram_store import storage_key
 from host.graph.export import TraceError
 from host.graph.flops import flop_counter
 from host.graph.grouping import build_group_module, module_path
+from host.graph.groups import BackwardMeasure, ForwardMeasure, GroupInterface
 from host.graph.op_tables import CLASS_PRIORITY, classify_op, op_name, tensors
 
-if TYPE_CHECKING:
-    from host.graph.trace import NodeGroup
-
 __all__ = [
-    "PINNED_INTERNALS_MAX_FRACTION", "Backward", "Backwards", "Facts", "ForwardRun", "GroupRecorder",
-    "attribute_keys", "dominant_class", "measure_backward", "measure_backwards", "measure_forward",
-    "record_forward", "release_unused_pins", "storage_key",
+    "PINNED_INTERNALS_MAX_FRACTION", "Backwards", "Facts", "ForwardRun", "GroupRecorder", "attribute_keys",
+    "dominant_class", "measure_backward", "measure_backwards", "measure_forward", "pinned_internals_bytes",
+    "record_forward",
 ]  # fmt: skip
 
 # Internals are the tensors a group's backward saves that are not its outputs. When they are at most this
@@ -91,17 +90,6 @@ class GroupRecorder(Interpreter):
         return result
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """Identifies a live tensor's storage; None for empty storages."""
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if storage.nbytes() == 0:
-        return None
-    return storage.data_ptr(), storage.nbytes()
-
-
 def dominant_class(facts: Facts) -> str:
     if any(facts.class_flops.values()):
         top = max(facts.class_flops.values())
@@ -109,17 +97,9 @@ def dominant_class(facts: Facts) -> str:
     return facts.first_class or "other"
 
 
-@dataclass
-class Backward:
-    flops: int
-    grad_bytes: int
-    grad_inputs: tuple[str, ...]
-    saved_groups: tuple[int, ...]
-
-
 def measure_backward(
     module: GraphModule,
-    group: NodeGroup,
+    group: GroupInterface,
     values: dict[str, Any],
     producer: dict[str, int],
     attr_keys: set[tuple[int, int]],
@@ -127,7 +107,7 @@ def measure_backward(
     formula_flops: int,
     *,
     pin_internals: bool = False,
-) -> Backward | None:
+) -> BackwardMeasure | None:
     """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient.
 
     ``receiving``: the output values a gradient flows back into (None: all, for the loss).
@@ -204,7 +184,7 @@ def measure_backward(
         owner = group.index if source is None else producer[source]
         if owner not in saved_groups:
             saved_groups.append(owner)
-    return Backward(
+    return BackwardMeasure(
         flops=counter.get_total_flops() + 2 * formula_flops,
         # Storages, as the executor holds them: a stack/cat backward returns views of one gradient storage.
         grad_bytes=sum(k[1] for k in {storage_key(g) for g in input_grads if g is not None} if k is not None),
@@ -249,17 +229,14 @@ def attribute_keys(gm: GraphModule, values: dict[str, Any]) -> set[tuple[int, in
 
 
 def measure_forward(
-    groups: list[NodeGroup], facts: list[Facts], values: dict[str, Any], attr_keys: set[tuple[int, int]]
-) -> None:
-    """Set each group's FLOPs, op class and bytes (used outputs + saved internals created in the group).
+    groups: list[GroupInterface], facts: list[Facts], values: dict[str, Any], attr_keys: set[tuple[int, int]]
+) -> list[ForwardMeasure]:
+    """Each group's FLOPs, op class and bytes: its used outputs and the internals autograd saves in it.
 
-    Small internals are marked pinned here; :func:`release_unused_pins` settles them once backward is known.
+    Whether small internals are pinned is settled once backward is known (:func:`pinned_internals_bytes`).
     """
+    measures: list[ForwardMeasure] = []
     for group, group_facts in zip(groups, facts, strict=True):
-        group.flops = group_facts.counted_flops + group_facts.formula_flops
-        group.op_class = (
-            "input" if group.index == 0 else ("loss" if group.kind == "loss" else dominant_class(group_facts))
-        )
         # An output that is an input's storage (dropout with p=0 returns its input) counts here too: the
         # input's node may be freed while this output lives on, and the storage with it. Saved inputs do not.
         inputs = set() if group.index == 0 else {
@@ -277,10 +254,14 @@ def measure_forward(
                     continue
                 counted.add(key)
                 totals[part] += key[1]
-        group.output_bytes = totals[0] + totals[1]
-        group.saved_bytes = totals[1]
-        if group.index != 0 and 0 < totals[1] <= PINNED_INTERNALS_MAX_FRACTION * totals[0]:
-            group.pinned_bytes = totals[1]  # kept only if the group turns out to have a backward
+        measures.append(ForwardMeasure(
+            flops=group_facts.counted_flops + group_facts.formula_flops,
+            op_class="input" if group.index == 0 else ("loss" if group.kind == "loss" else dominant_class(group_facts)),
+            outputs_bytes=totals[0],
+            saved_bytes=totals[1],
+            pinnable=group.index != 0 and 0 < totals[1] <= PINNED_INTERNALS_MAX_FRACTION * totals[0],
+        ))
+    return measures
 
 
 # ----------------------------------------------------------------------------- the backward passes
@@ -288,14 +269,15 @@ def measure_forward(
 class Backwards:
     """Every group's backward, measured from the loss back."""
 
-    by_group: dict[int, Backward]  # group index -> its backward (absent: no gradient reaches the group)
+    by_group: dict[int, BackwardMeasure]  # group index -> its backward (absent: no gradient reaches the group)
     upstream: dict[int, list[int]]  # group index -> groups whose backward sends it a gradient, latest first
     group_modules: dict[int, GraphModule]  # the standalone group modules built on the way
 
 
 def measure_backwards(
     gm: GraphModule,
-    groups: list[NodeGroup],
+    groups: list[GroupInterface],
+    forward: list[ForwardMeasure],
     values: dict[str, Any],
     producer: dict[str, int],
     attr_keys: set[tuple[int, int]],
@@ -306,7 +288,7 @@ def measure_backwards(
     for group in groups:
         for value in group.input_values:
             consumers.setdefault(value, []).append(group.index)
-    backward: dict[int, Backward] = {}
+    backward: dict[int, BackwardMeasure] = {}
     upstream: dict[int, list[int]] = {}
     group_modules: dict[int, GraphModule] = {}
     for group in reversed(groups[1:]):
@@ -331,17 +313,14 @@ def measure_backwards(
             attr_keys,
             receiving,
             facts[group.index].formula_flops,
-            pin_internals=group.pinned_bytes > 0,
+            pin_internals=forward[group.index].pinnable,
         )
         if measured is not None:
             backward[group.index] = measured
     return Backwards(backward, upstream, group_modules)
 
 
-def release_unused_pins(groups: list[NodeGroup], backward: dict[int, Backward]) -> None:
-    """Pinned internals leave the node's bytes; without a backward nothing is saved, so nothing is pinned."""
-    for group in groups:
-        if group.index in backward and group.pinned_bytes:
-            group.output_bytes -= group.pinned_bytes
-        else:
-            group.pinned_bytes = 0
+def pinned_internals_bytes(forward: list[ForwardMeasure], backward: dict[int, BackwardMeasure]) -> list[int]:
+    """Per group, the internals held outside the schedule: small ones of a group with a backward (without a
+    backward nothing is saved, so nothing is pinned)."""
+    return [m.saved_bytes if m.pinnable and index in backward else 0 for index, m in enumerate(forward)]

@@ -309,3 +309,31 @@ def test_zoo_hf_bert():
         torch.manual_seed(3)
         pieces = _loss_by_groups(traced, bundle)
     assert torch.allclose(whole, pieces)
+
+
+def test_the_trace_passes_import_their_shared_types_one_way():
+    """grouping and measure take their types from host.graph.groups, never from the trace that runs them."""
+    import ast
+    from pathlib import Path
+
+    import host.graph
+
+    folder = Path(host.graph.__file__).parent
+    imported = {}
+    for name in ("groups", "grouping", "measure", "trace"):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported[name] = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported["groups"] if m.startswith("host.")}
+    assert "host.graph.trace" not in imported["grouping"] | imported["measure"]
+    assert "host.graph.measure" not in imported["grouping"]
+
+
+def test_node_groups_are_assembled_once_and_not_changed_by_later_passes(residual):
+    import dataclasses
+
+    _, traced = residual
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        traced.groups[1].output_bytes = 0
+    assert traced.graph.nodes[0].output_bytes == 0  # the batch: fixed bytes, held by the caller
+    for group in traced.groups[1:]:
+        assert traced.graph.nodes[group.index].output_bytes == group.output_bytes
