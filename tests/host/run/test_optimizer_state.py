@@ -103,6 +103,7 @@ def test_the_fleets_auto_budget_takes_the_optimizers_state_off_the_board(traced)
 MLP_PARAM_BYTES = (64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10) * 4  # the zoo's mlp, 6 parameter tensors
 
 
+@pytest.mark.slow  # a CLI subprocess or a solve of several seconds: the fast suite stays under 5 minutes
 def test_poet_solve_counts_the_optimizers_state_in_its_fixed_bytes():
     common = ("solve", "--model", "mlp", "--platform", "m4", "--ram-budget", "100%", "--json")
     sgd = one_json_object(poet(*common).stdout)
@@ -122,6 +123,7 @@ def test_poet_solve_prints_the_breakdown_and_refuses_an_unknown_optimizer():
     assert refused.returncode == 2 and "--optimizer" in refused.stderr and "adamw" in refused.stderr
 
 
+@pytest.mark.slow  # a CLI subprocess or a solve of several seconds: the fast suite stays under 5 minutes
 def test_poet_pareto_takes_the_optimizer():
     adamw = one_json_object(poet("pareto", "--model", "mlp", "--platform", "m4", "--points", "2",
                                  "--optimizer", "adamw", "--json").stdout)
