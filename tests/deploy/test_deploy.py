@@ -136,6 +136,7 @@ def _env(path: Path) -> dict[str, str]:
                 if line and not line.startswith("#"))
 
 
+@pytest.mark.slow  # 10 s of pip: the fast suite stays under 5 minutes
 def test_install_into_a_prefix(tmp_path, wheel, bundle):
     prefix = tmp_path / "root"
     args = ("--wheel", wheel, "--certs", bundle, "--coordinator", "coord.lan:50051", "--prefix", prefix,

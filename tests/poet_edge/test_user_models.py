@@ -22,8 +22,8 @@ def _factory(name: str) -> str:
     return f"tests.models.reshaped:{name}"
 
 
-@pytest.mark.parametrize("granularity", ["layer", "op"])
-@pytest.mark.parametrize("name", reshaped.RESHAPED)
+@pytest.mark.parametrize("name,granularity", [(name, "layer") for name in reshaped.RESHAPED]
+                         + [("transpose", "op"), ("label_view", "op")])
 def test_a_batch_input_reshaped_sliced_or_cast_before_the_first_layer_trains_exactly(name, granularity, tmp_path):
     """A view, reshape, transpose, slice or cast of the batch (or a view of the labels) is an op like any other."""
     report = verify(_factory(name), "a72", "100%", granularity=granularity, steps=2, flash_dir=tmp_path,
@@ -33,6 +33,7 @@ def test_a_batch_input_reshaped_sliced_or_cast_before_the_first_layer_trains_exa
     assert report.losses[1] < report.losses[0]
 
 
+@pytest.mark.slow  # a CLI verify (5 s): the fast suite stays under 5 minutes
 def test_a_reshaped_input_verifies_through_the_cli_under_a_binding_budget(tmp_path):
     result = poet("verify", "--model", _factory("transpose"), "--platform", "a72", "--ram-budget", "90%",
                   "--granularity", "op", "--steps", "2", "--flash-dir", str(tmp_path), "--json")

@@ -116,6 +116,7 @@ def test_poet_solve_counts_the_optimizers_state_in_its_fixed_bytes():
     assert adamw["objective_j"] == sgd["objective_j"]  # the schedule itself does not depend on it
 
 
+@pytest.mark.slow  # two CLI runs (7 s): the fast suite stays under 5 minutes
 def test_poet_solve_prints_the_breakdown_and_refuses_an_unknown_optimizer():
     text = poet("solve", "--model", "mlp", "--platform", "m4", "--ram-budget", "100%", "--optimizer", "adamw")
     assert text.returncode == 0 and "adamw state 209.00 kB" in text.stdout, text.stdout
