@@ -30,18 +30,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-ENERGY_SOURCE = "modelled:cpu-time×power"
-PROFILE_SCHEMA_VERSION = 1  # of the profile file format (host.costs.profile.SCHEMA_VERSION; a test checks they agree)
+from device_agent.meters.modelled import CPU_POWER_PER_THREAD_W, STORAGE_POWER_W, assumed_machine
+from device_agent.meters.modelled import SOURCE as MODELLED_SOURCE
 
-# Assumed active power per busy CPU thread, by platform.machine(). x86-64: a desktop/server core under
-# full load draws roughly 5-10 W (a 65 W TDP 8-core desktop part ~8 W/core, a 205 W 28-core server part
-# ~7.3 W/core); we take 7.5 W. Arm (aarch64/armv7l): POET's Raspberry Pi figure, 0.6 A x 5 V for 4 cores
-# = 0.75 W/core.
-_CPU_POWER_PER_THREAD_W = {"x86_64": 7.5, "amd64": 7.5, "aarch64": 0.75, "arm64": 0.75, "armv7l": 0.75}
-# Assumed storage power while paging. x86-64 hosts: an NVMe/SATA SSD writing or reading draws ~2-6 W;
-# we take 3.0 W. Arm boards: POET's Raspberry Pi SD-card figure, 30 mA x 5 V = 0.15 W.
-_STORAGE_POWER_W = {"x86_64": 3.0, "amd64": 3.0, "aarch64": 0.15, "arm64": 0.15, "armv7l": 0.15}
-_FALLBACK_MACHINE = "x86_64"
+ENERGY_SOURCE = MODELLED_SOURCE  # the label of every figure a local profile prices
+PROFILE_SCHEMA_VERSION = 1  # of the profile file format (host.costs.profile.SCHEMA_VERSION; a test checks they agree)
 
 # Page file sizes (bytes) and repetitions per size.
 _PAGE_SIZES_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -303,7 +296,7 @@ def profile_local_machine(
     check_flash_dir(flash_dir)  # fail before spending time on the compute benchmark
     machine = platform.machine() or "unknown"
     threads = torch.get_num_threads()
-    known_machine = machine.lower() if machine.lower() in _CPU_POWER_PER_THREAD_W else _FALLBACK_MACHINE
+    known_machine = assumed_machine(machine)
     sources: dict[str, str] = {}
 
     _log(progress, f"benchmarking compute on {machine} with {threads} torch threads")
@@ -316,18 +309,18 @@ def profile_local_machine(
     sources.update(notes)
 
     if compute_power_w is None:
-        per_thread_w = _CPU_POWER_PER_THREAD_W[known_machine]
+        per_thread_w = CPU_POWER_PER_THREAD_W[known_machine]
         compute_power_w = per_thread_w * threads
         sources["compute.compute_power_w"] = (
             f"ASSUMPTION (no power meter): {per_thread_w} W per busy CPU thread on {known_machine} x {threads} "
-            "torch threads; see device_agent/profiling.py"
+            "torch threads; see device_agent/meters/modelled.py"
         )
     else:
         sources["compute.compute_power_w"] = "given by the user (compute_power_w)"
     if memory_power_w is None:
-        memory_power_w = _STORAGE_POWER_W[known_machine]
+        memory_power_w = STORAGE_POWER_W[known_machine]
         sources["memory_power_w"] = (
-            f"ASSUMPTION (no power meter): storage active power on {known_machine}; see device_agent/profiling.py"
+            f"ASSUMPTION (no power meter): storage active power on {known_machine}; see device_agent/meters/modelled.py"
         )
     else:
         sources["memory_power_w"] = "given by the user (memory_power_w)"
@@ -355,31 +348,3 @@ def profile_local_machine(
         "energy_source": ENERGY_SOURCE,
         "sources": sources,
     }
-
-
-def modelled_energy_meter(threads: int | None = None, profile: dict | None = None):
-    """The modelled meter of this machine: a local profile's powers, or the assumptions above."""
-    import torch
-
-    from device_agent.meters.modelled import ModelledEnergyMeter
-
-    threads = torch.get_num_threads() if threads is None else threads
-    if profile is not None and profile.get("energy_source") == ENERGY_SOURCE:
-        return ModelledEnergyMeter(profile["compute_power_w"], profile["memory_power_w"], threads)
-    machine = platform.machine().lower()
-    key = machine if machine in _CPU_POWER_PER_THREAD_W else _FALLBACK_MACHINE
-    return ModelledEnergyMeter(_CPU_POWER_PER_THREAD_W[key] * threads, _STORAGE_POWER_W[key], threads)
-
-
-def default_energy_meter(threads: int | None = None, profile: dict | None = None, *,
-                         sysfs_root: str = "/", path: str | None = None):
-    """The board's best energy meter (:mod:`device_agent.meters.registry`), else the modelled one.
-
-    A measured meter falls back to :func:`modelled_energy_meter` (same ``threads`` and ``profile``) if
-    it is lost mid-run. ``sysfs_root`` and ``path`` (the ``PATH`` searched for ``vcgencmd``) are for tests.
-    """
-    from device_agent.meters.registry import best_meter
-
-    modelled = modelled_energy_meter(threads, profile)
-    meter = best_meter(sysfs_root, path, fallback=modelled)
-    return meter if meter is not None else modelled

@@ -36,7 +36,8 @@ from device_agent.executor import ScheduleExecutor, make_optimizer, parameter_di
 from device_agent.executor.telemetry import EventStream
 from device_agent.fileio import atomic_write_bytes, atomic_write_text
 from device_agent.meters.memory import RssSampler
-from device_agent.profiling import default_energy_meter, profile_local_machine
+from device_agent.meters.registry import default_energy_meter
+from device_agent.profiling import profile_local_machine
 from device_agent.serde import rss_event_to_proto, schedule_from_proto, telemetry_event_to_proto
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")

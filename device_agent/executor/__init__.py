@@ -1,21 +1,12 @@
-"""Runs a Schedule on a real model: the RAM tensor store, the flash page store, exact backward."""
+"""Runs a Schedule on a real model: the RAM tensor store, the flash page store, exact backward.
 
-from device_agent.executor.executor import (
-    OPTIMIZERS,
-    BudgetExceededError,
-    Counters,
-    ExecutorError,
-    InvalidScheduleError,
-    MissingTensorError,
-    ScheduleExecutor,
-    ScheduleMismatchError,
-    StepResult,
-    check_schedule,
-    make_optimizer,
-    parameter_differences,
-    plain_train_step,
-    planned_counts,
-)
+Rooms: plan.py (the schedule checked and annotated before training), executor.py (the runtime),
+ram_store.py and page_store.py (the stores), telemetry.py, reference.py (plain PyTorch training, the
+optimizers and their state, the parameters' comparison), errors.py.
+"""
+
+from device_agent.executor.errors import BudgetExceededError, ExecutorError, InvalidScheduleError, MissingTensorError
+from device_agent.executor.executor import Counters, ScheduleExecutor, StepResult
 from device_agent.executor.page_store import (
     FlashDirError,
     FlashFullError,
@@ -29,7 +20,16 @@ from device_agent.executor.page_store import (
     remove_stale_page_dirs,
 )
 from device_agent.executor.partition import NodeProgram, Partition, PartitionNode
+from device_agent.executor.plan import check_schedule, planned_counts
 from device_agent.executor.ram_store import Entry, EntryBuilder, RamStore, TensorView
+from device_agent.executor.reference import (
+    OPTIMIZER_STATE,
+    OPTIMIZERS,
+    OptimizerState,
+    make_optimizer,
+    parameter_differences,
+    plain_train_step,
+)
 from device_agent.executor.telemetry import (
     EventStream,
     InstructionEvent,
@@ -37,6 +37,7 @@ from device_agent.executor.telemetry import (
     StepSummary,
     StepTotals,
 )
+from device_agent.replay import ScheduleMismatchError
 
 __all__ = [
     "BudgetExceededError",
@@ -69,6 +70,8 @@ __all__ = [
     "check_flash_dir",
     "check_flash_space",
     "OPTIMIZERS",
+    "OPTIMIZER_STATE",
+    "OptimizerState",
     "check_schedule",
     "make_optimizer",
     "parameter_differences",

@@ -19,10 +19,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from device_agent.executor.allocator import malloc_trim
+from device_agent.executor.errors import BudgetExceededError, ExecutorError, InvalidScheduleError, MissingTensorError
 from device_agent.executor.page_store import (
     FlashPageStore,
     PageStoreError,
@@ -30,124 +32,15 @@ from device_agent.executor.page_store import (
     check_flash_space,
     remove_stale_page_dirs,
 )
-from device_agent.executor.partition import NodeProgram, Partition, unique_by_identity
+from device_agent.executor.partition import Partition, unique_by_identity
+from device_agent.executor.plan import PlannedOp, plan_schedule
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.base import EnergyMeter
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.modelled import ModelledEnergyMeter
-from device_agent.replay import (
-    RELATIVE_SLACK,
-    ReplayError,
-    ReplayTrace,
-    ScheduleMismatchError,
-    check_schedule_matches,
-    replay,
-)
+from device_agent.replay import RELATIVE_SLACK
 from device_agent.schedule import Schedule
-
-
-class ExecutorError(RuntimeError):
-    """The executor cannot run this schedule on this partition."""
-
-
-class InvalidScheduleError(ExecutorError):
-    """A schedule that breaks a rule of the instruction set (checked before any training)."""
-
-
-class MissingTensorError(ExecutorError):
-    """A backward needed a saved tensor that the schedule does not hold in RAM."""
-
-
-class BudgetExceededError(ExecutorError):
-    """Tracked RAM went above the schedule's budget."""
-
-
-# ----------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
-class _Op:
-    kind: str
-    node: int
-    location: str
-    recompute: bool = False  # compute of a node already computed in this step
-    graph: bool = False  # fwd/loss compute whose autograd graph a later backward uses
-    retain: bool = False  # bwd compute followed by another compute of the same bwd node on this graph
-    accumulate: bool = False  # first compute of a bwd node: adds parameter gradients
-
-
-def planned_counts(schedule: Schedule) -> dict[str, int]:
-    """computes / recomputes / page_ins / page_outs the schedule asks for."""
-    return schedule.counts()
-
-
-def check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes: float | None = None) -> list[_Op]:
-    """Replay ``schedule`` on ``partition`` without running anything; raise at the first broken rule.
-
-    Returns the annotated instruction list the executor runs.
-    """
-    return _check_schedule(partition, schedule, ram_budget_bytes=ram_budget_bytes)[0]
-
-
-def _check_schedule(partition: Partition, schedule: Schedule, *, ram_budget_bytes: float | None = None
-                    ) -> tuple[list[_Op], ReplayTrace]:
-    # raises device_agent.replay.ScheduleMismatchError: the one error for a schedule of another graph
-    check_schedule_matches(schedule, partition.fingerprint, [n.name for n in partition.nodes], partition.name)
-    if ram_budget_bytes is None:
-        ram_budget_bytes = schedule.ram_budget_bytes or None
-    nodes = partition.nodes
-    first_computed: set[int] = set()
-    last_random_first = [-1]
-
-    def executor_rules(position: int, index: int) -> str | None:
-        """Rules of exact execution on top of the schedule's own: forward before backward, RNG order."""
-        node = nodes[index]
-        first_computed.add(index)
-        if node.kind == "bwd" and node.forward_index not in first_computed:
-            return f"{node.name!r} runs before its forward node was ever computed"
-        if node.kind != "bwd" and partition.programs[index].random:
-            if index < last_random_first[0]:
-                return (f"random node {node.name!r} is first computed out of program order: its RNG draws would "
-                        "differ from plain training")
-            last_random_first[0] = index
-        return None
-
-    try:
-        trace = replay(nodes, schedule.instructions, graph_label=partition.name, ram_budget_bytes=ram_budget_bytes,
-                       on_first_compute=executor_rules)
-    except ReplayError as error:
-        raise InvalidScheduleError(f"schedule {error}") from None
-    return _annotate(partition, schedule), trace
-
-
-def _annotate(partition: Partition, schedule: Schedule) -> list[_Op]:
-    instructions = schedule.instructions
-    computes_of: dict[int, list[int]] = {}
-    for position, ins in enumerate(instructions):
-        if ins.kind == "compute":
-            computes_of.setdefault(ins.node, []).append(position)
-
-    def next_compute_is(position: int, candidates: tuple[int, ...], wanted: int) -> bool:
-        following = [(p, n) for n in candidates for p in computes_of.get(n, ()) if p > position]
-        return bool(following) and min(following)[1] == wanted
-
-    ops: list[_Op] = []
-    seen: set[int] = set()
-    for position, ins in enumerate(instructions):
-        if ins.kind != "compute":
-            ops.append(_Op(ins.kind, ins.node, ins.location))
-            continue
-        node = partition.nodes[ins.node]
-        recompute = ins.node in seen
-        seen.add(ins.node)
-        if node.kind == "bwd":
-            forward = node.forward_index
-            retain = next_compute_is(position, (forward, ins.node), ins.node)
-            ops.append(_Op("compute", ins.node, "ram", recompute, retain=retain, accumulate=not recompute))
-        else:
-            bwd = partition.programs[ins.node].bwd_index
-            graph = bwd is not None and next_compute_is(position, (ins.node, bwd), bwd)
-            ops.append(_Op("compute", ins.node, "ram", recompute, graph=graph))
-    return ops
 
 
 # ----------------------------------------------------------------------------- saved tensors
@@ -218,6 +111,20 @@ class StepResult:
     summary: StepSummary
 
 
+@dataclass
+class _Step:
+    """What the instructions of one training step share: made by ``train_step``, gone with it."""
+
+    inputs: tuple[torch.Tensor, ...]
+    labels: torch.Tensor
+    loss_divisor: int  # micro-batches per optimizer step (gradient accumulation)
+    fixed_keys: set[StorageKey]  # storages of parameters, buffers, constants and labels: never scheduled
+    counters: Counters = field(default_factory=Counters)
+    loss: float = float("nan")
+    rng_states: dict[int, torch.Tensor] = field(default_factory=dict)  # random node -> RNG state of its first run
+    hook_error: BaseException | None = None  # raised inside autograd's unpack hook, re-raised as is
+
+
 # ----------------------------------------------------------------------------- executor
 class ScheduleExecutor:
     """Trains ``partition``'s model one step at a time, following ``schedule`` instruction by instruction.
@@ -247,7 +154,7 @@ class ScheduleExecutor:
     ):
         self.partition = partition
         self.schedule = schedule
-        self.ops, trace = _check_schedule(partition, schedule)
+        self.ops, trace = plan_schedule(partition, schedule)
         self.peak_flash_bytes = trace.peak_flash_bytes  # payload bytes the schedule keeps on flash at once
         self.flash_needed_bytes = 0  # with page-file overhead; checked against the free space
         self.ram_budget_bytes = float(schedule.ram_budget_bytes or 0.0)
@@ -272,9 +179,6 @@ class ScheduleExecutor:
         self._records: dict[int, _GraphRecord] = {}
         self.pinned_bytes = 0  # pinned internals held by live graphs (fixed bytes, outside the schedule)
         self.peak_pinned_bytes = 0
-        self._rng_states: dict[int, torch.Tensor] = {}
-        self._loss_divisor = 1  # micro-batches per optimizer step (gradient accumulation)
-        self._hook_error: BaseException | None = None
         self._buffers = unique_by_identity(b for p in partition.programs.values() for b in p.buffers)
         self._buffer_copies = [b.detach().clone() for b in self._buffers]  # for rollback after a failed step
         self._recompute_copies = {  # a recompute restores its program's buffers from these
@@ -282,8 +186,6 @@ class ScheduleExecutor:
             for index, program in partition.programs.items()
             if program.buffers
         }
-        self._fixed_keys: set[StorageKey] = set()
-        self.counters = Counters()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -319,24 +221,21 @@ class ScheduleExecutor:
         partition = self.partition
         if len(inputs) != len(partition.batch_values):
             raise ExecutorError(f"model {partition.name!r} takes {len(partition.batch_values)} input(s), got {len(inputs)}")
-        self._inputs = tuple(inputs)
-        self._labels = labels
-        self.counters = Counters()
-        self._rng_states.clear()
+        state = _Step(
+            tuple(inputs), labels, micro_batches,
+            {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None},
+        )
         self._drop_records()
         self.peak_pinned_bytes = 0
         self.ram.reset_peak()
-        self._fixed_keys = {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None}
         # The caller holds the batch all step: its bytes are fixed (the trace prices the input node at 0).
-        self.ram.fixed_storages = frozenset(k for t in self._inputs if (k := storage_key(t)) is not None)
-        self._loss_divisor = micro_batches
+        self.ram.fixed_storages = frozenset(k for t in state.inputs if (k := storage_key(t)) is not None)
         if micro_batch == 0:
             for param in partition.parameters:
                 param.grad = None
         with torch.no_grad():  # persistent copies: no allocation per step
             for copy, buffer in zip(self._buffer_copies, self._buffers, strict=True):
                 copy.copy_(buffer)
-        self._loss = float("nan")
         compute_s = paging_s = 0.0
         rss_peak = 0
         meter = self.energy_meter
@@ -352,19 +251,19 @@ class ScheduleExecutor:
                 before = meter_read()
                 t0 = time.perf_counter()
                 if op.kind == "compute":
-                    moved = self._compute(op)
+                    moved = self._compute(op, state)
                 elif op.kind == "page_out":
-                    moved = self._page_out(op.node)
+                    moved = self._page_out(op.node, state.counters)
                 elif op.kind == "page_in":
-                    moved = self._page_in(op.node)
+                    moved = self._page_in(op.node, state.counters)
                 elif op.location == "ram":
                     moved = self.ram.drop(op.node)
-                    self.counters.frees_ram += 1
+                    state.counters.frees_ram += 1
                     if moved and self._trim is not None:
                         self._trim(0)
                 else:
                     moved = self._pages().delete(op.node)
-                    self.counters.frees_flash += 1
+                    state.counters.frees_flash += 1
                 duration_s = time.perf_counter() - t0
                 after = meter_read()
                 if op.kind == "compute":
@@ -412,11 +311,11 @@ class ScheduleExecutor:
         energy_j = cpu_s = None
         if self.energy_meter is not None:
             energy_j, cpu_s = self.energy_meter.energy_j(start, end, paging_s)
-        counters = self.counters
+        counters = state.counters
         summary = StepSummary(
             step=step,
             duration_s=duration_s,
-            loss=self._loss,
+            loss=state.loss,
             peak_tracked_bytes=self.ram.peak_bytes,
             peak_pinned_bytes=self.peak_pinned_bytes,
             ram_budget_bytes=self.ram_budget_bytes,
@@ -442,25 +341,26 @@ class ScheduleExecutor:
         self.events.emit(summary)
         self._accumulate_totals(counters)
         self.step_index += 1
-        return StepResult(step, self._loss, duration_s, self.ram.peak_bytes, counters, summary)
+        return StepResult(step, state.loss, duration_s, self.ram.peak_bytes, counters, summary)
 
     # ------------------------------------------------------------------ instructions
-    def _compute(self, op: _Op) -> int:
+    def _compute(self, op: PlannedOp, state: _Step) -> int:
         node = self.partition.nodes[op.node]
-        self.counters.computes += 1
-        self.counters.recomputes += int(op.recompute)
-        self.counters.computes_per_node[op.node] += 1
+        counters = state.counters
+        counters.computes += 1
+        counters.recomputes += int(op.recompute)
+        counters.computes_per_node[op.node] += 1
         if node.kind == "bwd":
-            return self._backward(op)
-        return self._forward(op)
+            return self._backward(op, state)
+        return self._forward(op, state)
 
-    def _forward(self, op: _Op) -> int:
+    def _forward(self, op: PlannedOp, state: _Step) -> int:
         partition = self.partition
         program = partition.programs[op.node]
-        self.counters.program_runs += 1
+        state.counters.program_runs += 1
         if program.run is None:  # the input node: the batch itself
             builder = EntryBuilder(op.node)
-            for name, tensor in zip(partition.batch_values, self._inputs, strict=True):
+            for name, tensor in zip(partition.batch_values, state.inputs, strict=True):
                 builder.add_named(name, tensor)
             return self.ram.put(builder.build())
         fed: list[torch.Tensor] = []
@@ -471,7 +371,7 @@ class ScheduleExecutor:
         grad_inputs = set(program.grad_input_values) if program.bwd_index is not None else set()
         for value in program.input_values:
             if value == partition.label_value:
-                fed.append(self._labels)
+                fed.append(state.labels)
                 continue
             producer = partition.value_producer[value]
             entry = self.ram.find(producer)
@@ -492,9 +392,9 @@ class ScheduleExecutor:
         if program.random:
             if op.recompute:
                 restore_rng = torch.get_rng_state()
-                torch.set_rng_state(self._rng_states[op.node])
+                torch.set_rng_state(state.rng_states[op.node])
             else:
-                self._rng_states[op.node] = torch.get_rng_state()
+                state.rng_states[op.node] = torch.get_rng_state()
         buffer_snapshot = None
         if op.recompute and program.buffers:
             buffer_snapshot = self._recompute_copies[op.node]
@@ -507,8 +407,9 @@ class ScheduleExecutor:
                     outputs = program.run(*fed)
                 pending: list[_Saved] = []
             elif op.graph:
-                packer = _Packer(op.node, input_keys, self._fixed_keys)
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, self._unpack):
+                packer = _Packer(op.node, input_keys, state.fixed_keys)
+                unpack = partial(self._unpack, state)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
                     outputs = program.run(*fed)
                 pending = packer.pending
             else:  # no backward will read this run's graph: only its outputs count
@@ -535,7 +436,7 @@ class ScheduleExecutor:
                 roots[name] = torch.autograd.graph.get_gradient_edge(output)
                 root_meta[name] = (output.shape, output.dtype)
             if name == partition.loss_value and not op.recompute:
-                self._loss = float(output.detach())
+                state.loss = float(output.detach())
         pinned_bytes = 0
         if pending and program.pinned_internals:
             pinned_keys: set[StorageKey] = set()
@@ -558,22 +459,22 @@ class ScheduleExecutor:
             self._pin(pinned_bytes)
         return self.ram.put(builder.build())
 
-    def _backward(self, op: _Op) -> int:
+    def _backward(self, op: PlannedOp, state: _Step) -> int:
         partition = self.partition
         node = partition.nodes[op.node]
         program = partition.programs[node.forward_index]
         record = self._records.get(program.index)
         if record is None:
             raise ExecutorError(f"{node.name!r}: the autograd graph of {program.name!r} is not available")
-        self.counters.backward_runs += 1
+        state.counters.backward_runs += 1
         roots: list[torch.autograd.graph.GradientEdge] = []
         grads: list[torch.Tensor] = []
         for name, edge in record.roots.items():
             shape, dtype = record.root_meta[name]
             if name == partition.loss_value:
                 total = torch.ones(shape, dtype=dtype)
-                if self._loss_divisor != 1:  # autograd's DivBackward of (loss / micro_batches): the same op
-                    total = total / self._loss_divisor
+                if state.loss_divisor != 1:  # autograd's DivBackward of (loss / micro_batches): the same op
+                    total = total / state.loss_divisor
             else:
                 total = None
                 for consumer in partition.grad_senders.get(name, ()):
@@ -595,12 +496,12 @@ class ScheduleExecutor:
         inputs = [record.leaves[v] for v in leaf_names] + params
         results: tuple = ()
         if roots and inputs:
-            self._hook_error = None
+            state.hook_error = None
             try:
                 results = torch.autograd.grad(roots, inputs, grad_outputs=grads, retain_graph=op.retain, allow_unused=True)
             except Exception as error:
-                if self._hook_error is not None:
-                    raise self._hook_error from None
+                if state.hook_error is not None:
+                    raise state.hook_error from None
                 raise ExecutorError(f"backward of {program.name!r} failed: {error}") from error
         del grads
         if not op.retain:
@@ -637,20 +538,20 @@ class ScheduleExecutor:
         key = storage_key(grad)
         return key is not None and (taken[key] > 1 or self.ram.holds_storage(grad))
 
-    def _page_out(self, node: int) -> int:
+    def _page_out(self, node: int, counters: Counters) -> int:
         entry = self.ram.find(node)
         if entry is None:
             raise InvalidScheduleError(f"cannot page out {self.partition.nodes[node].name!r}: not in RAM")
         written = self._pages().write(node, self.partition.nodes[node].name, entry)
-        self.counters.page_outs += 1
-        self.counters.bytes_paged_out += written
+        counters.page_outs += 1
+        counters.bytes_paged_out += written
         return written
 
-    def _page_in(self, node: int) -> int:
+    def _page_in(self, node: int, counters: Counters) -> int:
         entry, read = self._pages().read(node)
         self.ram.put(entry)
-        self.counters.page_ins += 1
-        self.counters.bytes_paged_in += read
+        counters.page_ins += 1
+        counters.bytes_paged_in += read
         return read
 
     def _pages(self) -> FlashPageStore:
@@ -658,17 +559,17 @@ class ScheduleExecutor:
             raise PageStoreError("this schedule was not prepared for paging (no flash directory)")
         return self.pages
 
-    def _unpack(self, saved: _Saved) -> torch.Tensor:
+    def _unpack(self, state: _Step, saved: _Saved) -> torch.Tensor:
         if saved.node is None:
             return saved.tensor
         entry = self.ram.find(saved.node)
         if entry is None:
-            self._hook_error = MissingTensorError(
+            state.hook_error = MissingTensorError(
                 f"backward needs a tensor saved by {self.partition.nodes[saved.node].name!r}, which the schedule "
                 "does not hold in RAM at this point; the executor does not recompute it behind the schedule's back"
             )
-            raise self._hook_error
-        self.counters.saved_tensor_reads += 1
+            raise state.hook_error
+        state.counters.saved_tensor_reads += 1
         return entry.view_tensor(saved.view)
 
     def _abort(self) -> None:
@@ -725,82 +626,4 @@ def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: b
         param.grad.add_(grad)
 
 
-def plain_train_step(
-    module: torch.nn.Module,
-    loss_fn,
-    inputs: tuple[torch.Tensor, ...],
-    labels: torch.Tensor,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    micro_batch: int = 0,
-    micro_batches: int = 1,
-) -> float:
-    """Ordinary eager PyTorch training step (the reference the executor must match); returns the loss.
-
-    With ``micro_batches`` > 1, the user's gradient accumulation: ``(loss / micro_batches).backward()``, gradients
-    cleared before micro-batch 0 and the optimizer stepped after the last.
-    """
-    if micro_batch == 0:
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            for param in module.parameters():
-                param.grad = None
-    loss = loss_fn(module(*inputs), labels)
-    (loss / micro_batches if micro_batches != 1 else loss).backward()
-    if optimizer is not None and micro_batch == micro_batches - 1:
-        optimizer.step()
-    return float(loss.detach())
-
-
-OPTIMIZERS = ("sgd", "adamw")
-
-
-def make_optimizer(name: str, parameters, lr: float | None = None) -> torch.optim.Optimizer:
-    """SGD (momentum 0.9, lr 0.01) or AdamW (lr 1e-3) over ``parameters``: the one choice of host and board."""
-    if name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr or 0.01, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr or 1e-3)
-    raise ValueError(f"optimizer: {name!r} is not one of {', '.join(OPTIMIZERS)}")
-
-
-def parameter_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> dict:
-    """Max absolute and relative (per tensor: max |a-b| / max |b|) differences of parameters and buffers."""
-    import math
-
-    max_abs = max_rel = 0.0
-    bitwise = True
-    worst = ""
-    pairs = list(zip(module_a.named_parameters(), module_b.named_parameters(), strict=True))
-    pairs += list(zip(module_a.named_buffers(), module_b.named_buffers(), strict=True))
-    for (name, a), (_, b) in pairs:
-        if torch.equal(a, b):
-            continue
-        bitwise = False
-        diff = float((a.detach().double() - b.detach().double()).abs().max())
-        scale = float(b.detach().double().abs().max())
-        rel = diff / scale if scale > 0 else math.inf
-        max_abs = max(max_abs, diff)
-        if rel > max_rel:
-            max_rel, worst = rel, name
-    return {"max_abs_param_diff": max_abs, "max_rel_param_diff": max_rel, "bitwise_equal": bitwise, "worst": worst}
-
-
-__all__ = [
-    "OPTIMIZERS",
-    "BudgetExceededError",
-    "Counters",
-    "ExecutorError",
-    "InvalidScheduleError",
-    "MissingTensorError",
-    "NodeProgram",
-    "ScheduleExecutor",
-    "ScheduleMismatchError",
-    "StepResult",
-    "check_schedule",
-    "make_optimizer",
-    "parameter_differences",
-    "plain_train_step",
-    "planned_counts",
-]
+__all__ = ["Counters", "ScheduleExecutor", "StepResult"]

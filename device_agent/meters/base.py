@@ -64,7 +64,7 @@ def read_number(path: Path) -> float:
 
 
 def _default_fallback() -> ModelledEnergyMeter:
-    from device_agent.profiling import modelled_energy_meter  # lazy: it imports torch
+    from device_agent.meters.modelled import modelled_energy_meter
 
     return modelled_energy_meter()
 

@@ -12,6 +12,21 @@ from typing import NamedTuple
 
 SOURCE = "modelled:cpu-time×power"
 
+# Assumed active power per busy CPU thread, by platform.machine(). x86-64: a desktop/server core under
+# full load draws roughly 5-10 W (a 65 W TDP 8-core desktop part ~8 W/core, a 205 W 28-core server part
+# ~7.3 W/core); we take 7.5 W. Arm (aarch64/armv7l): POET's Raspberry Pi figure, 0.6 A x 5 V for 4 cores
+# = 0.75 W/core.
+CPU_POWER_PER_THREAD_W = {"x86_64": 7.5, "amd64": 7.5, "aarch64": 0.75, "arm64": 0.75, "armv7l": 0.75}
+# Assumed storage power while paging. x86-64 hosts: an NVMe/SATA SSD writing or reading draws ~2-6 W;
+# we take 3.0 W. Arm boards: POET's Raspberry Pi SD-card figure, 30 mA x 5 V = 0.15 W.
+STORAGE_POWER_W = {"x86_64": 3.0, "amd64": 3.0, "aarch64": 0.15, "arm64": 0.15, "armv7l": 0.15}
+FALLBACK_MACHINE = "x86_64"
+
+
+def assumed_machine(machine: str) -> str:
+    """The key of the power assumptions for ``platform.machine()`` (an unknown machine is priced as x86-64)."""
+    return machine.lower() if machine.lower() in CPU_POWER_PER_THREAD_W else FALLBACK_MACHINE
+
 
 class EnergyReading(NamedTuple):
     # A NamedTuple, not a frozen dataclass: the executor reads the meter around every instruction, and a
@@ -40,3 +55,16 @@ class ModelledEnergyMeter:
         """(energy_j, cpu_s) between two readings, with ``paging_s`` of flash traffic inside."""
         cpu_s = max(end.cpu_s - start.cpu_s, 0.0)
         return cpu_s * self.compute_power_w / self.threads + paging_s * self.memory_power_w, cpu_s
+
+
+def modelled_energy_meter(threads: int | None = None, profile: dict | None = None) -> ModelledEnergyMeter:
+    """The modelled meter of this machine: a local profile's powers, or the assumptions above."""
+    import platform
+
+    import torch
+
+    threads = torch.get_num_threads() if threads is None else threads
+    if profile is not None and profile.get("energy_source") == SOURCE:
+        return ModelledEnergyMeter(profile["compute_power_w"], profile["memory_power_w"], threads)
+    key = assumed_machine(platform.machine())
+    return ModelledEnergyMeter(CPU_POWER_PER_THREAD_W[key] * threads, STORAGE_POWER_W[key], threads)

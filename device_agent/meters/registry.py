@@ -8,7 +8,7 @@ Order (best first): the board-level meters, then RAPL.
 4. ``rapl``: the CPU package only (no storage, no board), so it comes last.
 
 Nothing found: the modelled estimate (``modelled:cpu-time×power``). :func:`detect_meters` is what the
-agent uses for its RegisterRequest's ``meters`` and for :func:`device_agent.profiling.default_energy_meter`.
+agent uses for its RegisterRequest's ``meters`` and for :func:`default_energy_meter`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from device_agent.meters import ina2xx, ina3221, pi5_pmic, rapl
 from device_agent.meters.base import EnergyMeter
+from device_agent.meters.modelled import ModelledEnergyMeter, modelled_energy_meter
 
 MODELLED_NAME = "modelled"
 
@@ -59,3 +60,16 @@ def best_meter(sysfs_root: str | Path = "/", path: str | None = None, **meter_kw
     for other in meters[1:]:
         other.close()
     return meters[0] if meters else None
+
+
+def default_energy_meter(threads: int | None = None, profile: dict | None = None, *,
+                         sysfs_root: str = "/", path: str | None = None) -> EnergyMeter | ModelledEnergyMeter:
+    """The board's best energy meter, else the modelled one.
+
+    A measured meter falls back to :func:`~device_agent.meters.modelled.modelled_energy_meter` (same
+    ``threads`` and ``profile``) if it is lost mid-run. ``sysfs_root`` and ``path`` (the ``PATH`` searched for
+    ``vcgencmd``) are for tests.
+    """
+    modelled = modelled_energy_meter(threads, profile)
+    meter = best_meter(sysfs_root, path, fallback=modelled)
+    return meter if meter is not None else modelled

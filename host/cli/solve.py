@@ -6,6 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
+from device_agent.executor.reference import OPTIMIZER_STATE
 from host.cli.common import (
     EXIT_OK,
     RAM_BUDGET_HELP,
@@ -24,7 +25,6 @@ from host.cli.common import (
     solve_keywords,
 )
 from host.cli.display import format_bytes
-from host.graph.training_graph import OPTIMIZER_STATE
 from host.run.solve import DEFAULT_OPTIMIZER, ModelSource, SolveSettings, pareto, prepare_solve, run_solve
 
 

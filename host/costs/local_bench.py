@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from device_agent.profiling import ENERGY_SOURCE, LocalBenchError, default_energy_meter, measure_compute_flops_per_s
+from device_agent.profiling import ENERGY_SOURCE, LocalBenchError, measure_compute_flops_per_s
 from device_agent.profiling import profile_local_machine as measure_local_machine
 from host.costs.profile import PlatformProfile
 
-__all__ = ["ENERGY_SOURCE", "LocalBenchError", "default_energy_meter", "measure_compute_flops_per_s",
-           "profile_local_machine"]
+__all__ = ["ENERGY_SOURCE", "LocalBenchError", "measure_compute_flops_per_s", "profile_local_machine"]
 
 
 def profile_local_machine(flash_dir: str, *, name: str = "local", quick: bool = False,

@@ -13,35 +13,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from device_agent.executor.reference import OPTIMIZER_STATE
+
 NodeKind = Literal["fwd", "loss", "bwd"]
 NODE_KINDS: tuple[str, ...] = ("fwd", "loss", "bwd")
 
 
 class GraphError(ValueError):
     """A TrainingGraph that breaks an invariant (order, dependency, size)."""
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    """What one optimizer keeps per trainable parameter tensor once it has stepped (frozen ones get nothing).
-
-    ``buffers`` tensors shaped and typed like the parameter, plus ``scalar_bytes`` of per-parameter scalars.
-    """
-
-    buffers: int
-    scalar_bytes: int = 0
-
-    def state_bytes(self, trainable_bytes: int, trainable_tensors: int) -> int:
-        return self.buffers * trainable_bytes + self.scalar_bytes * trainable_tensors
-
-
-# The state of each optimizer `make_optimizer` builds (device_agent/executor/executor.py: OPTIMIZERS), as torch
-# allocates it on the first step. tests/host/run/test_optimizer_state.py checks it against the real optimizers.
-OPTIMIZER_STATE: dict[str, OptimizerState] = {
-    "sgd": OptimizerState(buffers=1),  # momentum 0.9: one momentum_buffer per parameter (none without momentum)
-    # exp_avg and exp_avg_sq, and `step`, a float32 0-dim tensor per parameter (not fused, not capturable)
-    "adamw": OptimizerState(buffers=2, scalar_bytes=4),
-}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from device_agent.executor.executor import OPTIMIZERS, parameter_differences
+from device_agent.executor.reference import OPTIMIZERS, parameter_differences
 from host.run.errors import InputError
 
 __all__ = ["OPTIMIZERS", "RunResult", "StepProgress", "make_optimizer", "parameter_differences", "train_plain",
@@ -60,7 +60,7 @@ def make_optimizer(name: str, parameters, lr: float | None = None):
 
 def local_energy_meter(profile=None):
     """The modelled meter for this machine: the local profile's powers, or the documented assumptions."""
-    from device_agent.profiling import default_energy_meter
+    from device_agent.meters.registry import default_energy_meter
 
     powers = None if profile is None else {"energy_source": profile.energy_source,
                                            "compute_power_w": profile.compute_power_w,

@@ -19,7 +19,7 @@ DEFAULT_OPTIMIZER = "sgd"  # as `poet train`'s default
 
 def checked_optimizer(optimizer: Any) -> str:
     """``optimizer`` if it is one whose state the plan can count (the names `poet train` takes), else InputError."""
-    from host.graph.training_graph import OPTIMIZER_STATE
+    from device_agent.executor.reference import OPTIMIZER_STATE
 
     if optimizer not in OPTIMIZER_STATE:
         raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE)} (its state is part "

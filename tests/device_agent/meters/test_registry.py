@@ -13,8 +13,7 @@ import pytest
 
 from device_agent.meters.modelled import SOURCE as MODELLED_SOURCE
 from device_agent.meters.modelled import ModelledEnergyMeter
-from device_agent.meters.registry import best_meter, detect_meters, meter_names
-from device_agent.profiling import default_energy_meter
+from device_agent.meters.registry import best_meter, default_energy_meter, detect_meters, meter_names
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parents[3]
@@ -77,3 +76,17 @@ def test_poet_agent_meters_table_and_nothing_found(tmp_path):
     assert "measured:ina3221" in done.stdout and "5.000 W" in done.stdout and "POM_5V_IN" in done.stdout
     empty = run_cli("--sysfs-root", str(tmp_path), "--json", path_dir=tmp_path)
     assert empty.returncode == 0 and json.loads(empty.stdout) == {"meters": [], "fallback": MODELLED_SOURCE}
+
+
+def test_the_meters_never_import_the_profiling_that_uses_them():
+    """One way: device_agent.profiling imports the meters (and their power assumptions), never the reverse."""
+    import ast
+    from pathlib import Path
+
+    import device_agent.meters
+
+    for path in Path(device_agent.meters.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "device_agent.profiling" not in modules, path.name

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from device_agent.executor import OPTIMIZERS, make_optimizer
+from device_agent.executor.reference import OPTIMIZER_STATE
 from host.fleet import service
-from host.graph.training_graph import OPTIMIZER_STATE
 from host.run.sources import ModelSource
 from poet_edge import train
 from tests.host.cli.helpers import one_json_object, poet
