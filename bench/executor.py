@@ -1,24 +1,44 @@
-"""Executor benchmark: prints tables, never passes or fails.
+"""Executor benchmark: POET against plain PyTorch and what users would pick instead. Prints tables, never fails.
 
 1. Overhead without memory pressure: step time of the keep-all schedule against plain PyTorch, measured
    in one process with the two interleaved (target ratio <= 1.05).
-2. At 50% of the no-remat peak: energy, time and measured peak of POET's schedule against
-   torch.utils.checkpoint (checkpoint_sequential with k segments, and per-block checkpointing).
+2. At each budget (default 50% and 30% of the no-remat peak): energy, time, measured peak RSS and tracked
+   bytes of POET's schedule against the alternatives a user has: plain training, ``checkpoint_sequential(k)``
+   for each useful k, per-block checkpointing, selective activation checkpointing per block (a policy that
+   saves matmul and convolution outputs and recomputes the rest, as torch documents), ``torch.compile`` with
+   ``torch._functorch.config.activation_memory_budget`` set to the same share, and
+   ``torch.autograd.graph.save_on_cpu`` (on a CPU-only machine that is plain training: nothing moves).
    Time and energy: all methods in one process, their steps interleaved (so drift on a shared machine
    hits them alike), with freed memory kept for reuse as ``poet train`` does. Peak: each method alone
    in its own process, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once and the
-   RSS high-water mark is the live-memory peak for every method alike. POET's schedule is solved on the
-   quick local profile fitted to the executor's telemetry of this model first (``host.calibrate``: a
-   keep-all run and a paging run, 4 steps each); ``--no-calibrate`` solves on the quick profile as is.
+   RSS high-water mark is the live-memory peak for every method alike (``peak_rss_bytes`` is that mark
+   above the step-start RSS). POET's schedule is solved on the quick local profile fitted to the
+   executor's telemetry of this model first (``host.calibrate``: a keep-all run and a paging run, 4 steps
+   each); ``--no-calibrate`` solves on the quick profile as is.
 
-    python bench/executor.py [--model resnet18_cifar] [--batch-size 64] [--threads 1] [--flash-dir DIR]
+    python bench/executor.py [--models resnet18_cifar,hf_bert,mlp] [--budgets 50%,30%] [--part 1|2] [--json]
 
 Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's
 default, and glibc keeping freed memory for reuse (``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_``, what ``poet train`` sets by default), which separates the executor's own
 cost from page faults caused by memory going back to the OS and returning.
 
-Energy is modelled (process CPU time x assumed power, ``modelled:cpu-time×power``), not measured.
+How the budget applies. POET is held to ``share x`` the solver's no-remat peak by its executor, which
+tracks activations, their gradients and paged-in buffers (``tracked_bytes`` = the executor's
+peak_tracked_bytes). An alternative's ``tracked_bytes`` is measured in one extra step of its own process
+by a TorchDispatchMode that counts the storages every aten op creates and holds them as live until they
+are freed: the peak of activations, recomputed activations, gradients of activations and temporaries
+during forward and backward, without weights, weight gradients, optimizer state and the batch. It fits
+the budget when that peak is at most ``share x`` plain training's peak counted the same way (so the
+meter's own bias cancels). ``torch.compile`` runs inductor kernels whose buffers are allocated outside
+the dispatcher; its tracked bytes are what its compiled forward saves for backward (counted with
+``saved_tensors_hooks``), compared with what plain training saves. ``tracked_source`` says which.
+
+Energy: the best energy meter of this machine where one exists (``measured:rapl``, ...), else modelled
+(process CPU time x the profile's power, ``modelled:cpu-time×power``); ``energy_source`` says which.
+Torch threads: ``--threads`` (default 1, stable on a shared machine; the profile's power is for that many).
+``--json`` prints one JSON object on stdout (keys ``overhead``, ``methods``, ``budgets``); the tables go to
+stderr then.
 """
 
 from __future__ import annotations
@@ -31,10 +51,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -136,21 +164,181 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     }
 
 
-# ----------------------------------------------------------------------------- part 2: one run per process
-def _sequential(module):
-    """The zoo ResNet as a flat nn.Sequential: stem, each block, pool, flatten, fc."""
-    return torch.nn.Sequential(module.stem, *module.blocks, module.pool, module.flatten, module.fc)
+# ----------------------------------------------------------------------------- part 2: the alternatives
+DEFAULT_MODELS = ("resnet18_cifar", "hf_bert", "mlp")
+# Batch per model: (part 1, part 2). Part 2's mlp batch is larger so its activations stand out of RSS noise.
+BATCH_SIZES = {"resnet18_cifar": (128, 64), "hf_bert": (16, 16), "mlp": (128, 512)}
+CHECKPOINT_SEGMENTS = (2, 3, 4, 6)  # checkpoint_sequential's k, those below the model's number of pieces
+# What selective activation checkpointing saves: matmul, attention and convolution outputs; everything else
+# (pointwise ops, norms, softmax) is recomputed in backward.
+_aten = torch.ops.aten
+SAC_SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_efficient_attention.default,
+})
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: save matmul/conv outputs, recompute pointwise ops (torch's documented recipe)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Embeddings(torch.nn.Module):
+    """A Hugging Face BERT's embeddings as a one-argument module (``input_ids`` -> hidden states)."""
+
+    def __init__(self, embeddings: torch.nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids=input_ids)
+
+
+def _pieces(module: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The zoo model as (flat pieces for checkpoint_sequential, blocks for per-block checkpointing), each list a
+    chain that computes what ``module`` computes. Supported: the zoo ResNets, the HF BERT wrapper, nn.Sequential."""
+    if hasattr(module, "stem") and hasattr(module, "blocks"):  # zoo ResNet
+        flat = [module.stem, *module.blocks, module.pool, module.flatten, module.fc]
+        return flat, [module.stem, *module.blocks, torch.nn.Sequential(module.pool, module.flatten, module.fc)]
+    inner = getattr(module, "model", None)
+    if inner is not None and hasattr(inner, "bert") and hasattr(inner, "cls"):  # zoo hf_bert (HFLogits)
+        # BertModel without an attention mask gives its layers none (eager attention adds nothing).
+        flat = [_Embeddings(inner.bert.embeddings), *inner.bert.encoder.layer, inner.cls]
+        return flat, flat
+    if isinstance(module, torch.nn.Sequential):  # a block: a layer with parameters and the parameter-free ones after
+        blocks: list[list[torch.nn.Module]] = []
+        for layer in module:
+            if not blocks or any(True for _ in layer.parameters()):
+                blocks.append([])
+            blocks[-1].append(layer)
+        return list(module), [b[0] if len(b) == 1 else torch.nn.Sequential(*b) for b in blocks]
+    raise SystemExit(f"part 2 does not know how to split {type(module).__name__} into checkpointable pieces")
 
 
 class _Checkpointed(torch.nn.Module):
-    """Runs ``inner`` under torch.utils.checkpoint: per-block checkpointing."""
+    """Runs ``inner`` under torch.utils.checkpoint (non-reentrant), with an optional ``context_fn`` (selective)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, context_fn=None) -> None:
         super().__init__()
         self.inner = inner
+        self.context_fn = context_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, x, use_reentrant=False)
+        if self.context_fn is None:
+            return checkpoint(self.inner, x, use_reentrant=False)
+        return checkpoint(self.inner, x, use_reentrant=False, context_fn=self.context_fn)
+
+
+class _BudgetBackend:
+    """torch.compile's inductor with ``activation_memory_budget`` = ``share`` while it partitions the joint graph.
+
+    A backend object per share: dynamo keys its cache on the backend, so two shares in one process compile twice.
+    """
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.graphs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        with torch._functorch.config.patch(activation_memory_budget=self.share):
+            return compile_fx(graph_module, example_inputs)
+
+
+def _storage(tensor: torch.Tensor):
+    return tensor.untyped_storage()
+
+
+class _LiveActivationBytes(TorchDispatchMode):
+    """Peak bytes of the storages that aten ops create during a step, each held as live until it is freed.
+
+    Storages present before the step (weights, buffers, optimizer state, the batch) are not counted; weight
+    gradients are taken out afterwards (``peak_bytes(exclude=...)``). Frees are seen at the next op.
+    """
+
+    def __init__(self, present: list[torch.Tensor]) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._weak = StorageWeakRef
+        self.present = {_storage(t).data_ptr() for t in present}
+        self.live: dict[int, tuple[object, int, int]] = {}  # data_ptr -> (weak ref, nbytes, serial)
+        self.events: list[tuple[int, int]] = []  # (serial, +nbytes at creation / -nbytes when freed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ptr, (ref, nbytes, serial) in list(self.live.items()):
+            if ref.expired():
+                del self.live[ptr]
+                self.events.append((serial, -nbytes))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = _storage(tensor)
+                ptr = storage.data_ptr()
+                if ptr and ptr not in self.present and ptr not in self.live:
+                    self.live[ptr] = (self._weak(storage), storage.nbytes(), len(self.events))
+                    self.events.append((len(self.events), storage.nbytes()))
+        return out
+
+    def peak_bytes(self, exclude: list[torch.Tensor]) -> int:
+        """The peak over the step, without the storages of ``exclude`` (weight gradients) still live at its end."""
+        excluded = {self.live[p][2] for t in exclude if (p := _storage(t).data_ptr()) in self.live}
+        current = peak = 0
+        for serial, delta in self.events:
+            if serial not in excluded:
+                current += delta
+                peak = max(peak, current)
+        return peak
+
+
+class _SavedBytes:
+    """Peak bytes of the distinct storages autograd saves for backward (``saved_tensors_hooks``), weights excluded."""
+
+    def __init__(self, present: list[torch.Tensor]) -> None:
+        self.present = {_storage(t).data_ptr() for t in present}
+        self.counts: dict[int, list[int]] = {}  # data_ptr -> [holders, nbytes]
+        self.current = self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def _pack(self, tensor: torch.Tensor):
+        ptr = _storage(tensor).data_ptr()
+        held = _Held(tensor, self, ptr)
+        if ptr and ptr not in self.present:
+            entry = self.counts.setdefault(ptr, [0, _storage(tensor).nbytes()])
+            entry[0] += 1
+            if entry[0] == 1:
+                self.current += entry[1]
+                self.peak = max(self.peak, self.current)
+        return held
+
+    def release(self, ptr: int) -> None:
+        entry = self.counts.get(ptr)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self.counts[ptr]
+
+
+class _Held:
+    """What autograd keeps instead of a saved tensor: the tensor, and a release of its count when autograd lets go."""
+
+    __slots__ = ("tensor", "owner", "ptr")
+
+    def __init__(self, tensor: torch.Tensor, owner: _SavedBytes, ptr: int) -> None:
+        self.tensor, self.owner, self.ptr = tensor, owner, ptr
+
+    def __del__(self) -> None:
+        self.owner.release(self.ptr)
+
+
+def _error_text(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 
 
 class _Method:
@@ -168,30 +356,79 @@ class _Method:
         self.kind = method["method"]
         self.segments = method.get("segments")
         self.executor = None
-        self.sequential = _sequential(bundle.module)
-        self.per_block = torch.nn.Sequential(*[_Checkpointed(m) for m in self.sequential])
+        self.backend = None
+        self.peak_tracked_bytes = 0  # POET: the executor's, maximum over steps
         self._plain_step = plain_train_step
+        flat, blocks = _pieces(bundle.module)
         if self.kind == "poet":
             traced = trace_model(bundle, granularity="layer")
-            self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(config["schedule"]),
+            self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(method["schedule"]),
                                              flash_dir=config["flash_dir"], energy_meter=meter)
+        elif self.kind == "sequential":
+            self.forward = lambda x: checkpoint_sequential(torch.nn.Sequential(*flat), self.segments, x,
+                                                           use_reentrant=False)
+        elif self.kind == "per_block":
+            self.forward = torch.nn.Sequential(*[_Checkpointed(b) for b in blocks])
+        elif self.kind == "selective":
+            context_fn = partial(create_selective_checkpoint_contexts, _sac_policy)
+            self.forward = torch.nn.Sequential(*[_Checkpointed(b, context_fn) for b in blocks])
+        elif self.kind == "compile":
+            self.backend = _BudgetBackend(method["share"])
+            self.forward = torch.compile(bundle.module, backend=self.backend)
+        elif self.kind in ("plain", "save_on_cpu"):
+            self.forward = bundle.module
+        else:
+            raise ValueError(f"unknown method {self.kind!r}")
 
     def step(self) -> float:
         bundle, optimizer = self.bundle, self.optimizer
         if self.executor is not None:
-            return self.executor.train_step(bundle.inputs, bundle.labels, optimizer).summary.paging_s
+            result = self.executor.train_step(bundle.inputs, bundle.labels, optimizer)
+            self.peak_tracked_bytes = max(self.peak_tracked_bytes, result.peak_tracked_bytes)
+            return result.summary.paging_s
         if self.kind == "plain":  # the reference: the zoo module itself, eagerly
             self._plain_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, optimizer)
             return 0.0
         optimizer.zero_grad(set_to_none=True)
-        x = bundle.inputs[0]
-        if self.kind == "per_block":
-            output = self.per_block(x)
-        else:
-            output = checkpoint_sequential(self.sequential, self.segments, x, use_reentrant=False)
-        bundle.loss_fn(output, bundle.labels).backward()
+        self.forward_backward()
         optimizer.step()
         return 0.0
+
+    def forward_backward(self) -> None:
+        bundle = self.bundle
+        if self.kind == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=False):
+                bundle.training_loss(self.forward(*bundle.inputs), bundle.labels).backward()
+            return
+        bundle.training_loss(self.forward(*bundle.inputs), bundle.labels).backward()
+
+    def tracked(self) -> dict:
+        """One more step, counted: the peak of live activation bytes (saved bytes for torch.compile, and plain)."""
+        if self.executor is not None:
+            return {"tracked_bytes": self.peak_tracked_bytes, "tracked_source": "executor peak_tracked_bytes"}
+        module, optimizer = self.bundle.module, self.optimizer
+        present = [*module.parameters(), *module.buffers(), *self.bundle.inputs, self.bundle.labels,
+                   *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
+        optimizer.zero_grad(set_to_none=True)
+        saved = _SavedBytes(present)
+        result = {}
+        if self.kind == "compile":  # inductor's buffers bypass the dispatcher: count what its forward saves
+            with saved.hooks():
+                self.forward_backward()
+            return {"tracked_bytes": saved.peak, "tracked_source": "saved tensors (saved_tensors_hooks)",
+                    "compiled_graphs": self.backend.graphs}
+        live = _LiveActivationBytes(present)
+        if self.kind == "plain":  # plain's saved bytes too: the reference of torch.compile's
+            with live, saved.hooks():
+                self.forward_backward()
+            result["saved_tensor_bytes"] = saved.peak
+        else:
+            with live:
+                self.forward_backward()
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        result.update(tracked_bytes=live.peak_bytes(exclude=grads), tracked_source="live activation bytes (dispatch)")
+        optimizer.zero_grad(set_to_none=True)
+        return result
 
     def close(self) -> None:
         if self.executor is not None:
@@ -199,51 +436,74 @@ class _Method:
 
 
 def _meter(config: dict):
+    """The best energy meter here (RAPL, INA, PMIC), falling back to the modelled one on the profile's powers."""
     from device_agent.meters.modelled import ModelledEnergyMeter
 
-    return ModelledEnergyMeter(config["compute_power_w"], config["memory_power_w"], config["threads"])
+    modelled = ModelledEnergyMeter(config["compute_power_w"], config["memory_power_w"], config["threads"])
+    try:
+        from device_agent.meters.registry import best_meter
+
+        measured = best_meter(fallback=modelled)
+    except Exception:  # noqa: BLE001 - a meter that cannot be read is no meter: model the energy
+        measured = None
+    return measured if measured is not None else modelled
 
 
 def run_timed(config: dict) -> list[dict]:
     """Every method in this one process, their steps interleaved: median step time and energy per method."""
     torch.set_num_threads(config["threads"])
     meter = _meter(config)
-    methods = [_Method(config, method, meter) for method in config["methods"]]
-    for method in methods:
-        method.step()  # warm-up
-    times_s: list[list[float]] = [[] for _ in methods]
-    energies_j: list[list[float]] = [[] for _ in methods]
+    methods, errors = [], {}
+    for i, spec in enumerate(config["methods"]):
+        try:
+            method = _Method(config, spec, meter)
+            for _ in range(2 if spec["method"] == "compile" else 1):  # warm-up (compile: forward, then backward)
+                method.step()
+            methods.append((i, method))
+        except Exception as error:  # noqa: BLE001 - one method failing (no compiler) is a row, not the end
+            errors[i] = _error_text(error)
+    times_s = {i: [] for i, _ in methods}
+    energies_j = {i: [] for i, _ in methods}
+    source = getattr(meter, "source", "modelled:cpu-time×power")
     for _ in range(config["steps"]):
-        for method, times, energies in zip(methods, times_s, energies_j, strict=True):
+        for i, method in methods:
             start = meter.read()
             paging_s = method.step()
             end = meter.read()
-            times.append(end.wall_s - start.wall_s)
-            energies.append(meter.energy_j(start, end, paging_s)[0])
-    results = []
-    for method, times, energies in zip(methods, times_s, energies_j, strict=True):
-        result = {"step_s": statistics.median(times), "energy_j": statistics.median(energies)}
-        if method.executor is not None:
-            result["peak_tracked_bytes"] = method.executor.ram.peak_bytes
+            times_s[i].append(end.wall_s - start.wall_s)
+            energies_j[i].append(meter.energy_j(start, end, paging_s)[0])
+            source = getattr(meter, "source", source)
+    results = [{"error": errors.get(i, "did not run")} for i in range(len(config["methods"]))]
+    for i, method in methods:
+        results[i] = {"step_s": statistics.median(times_s[i]), "energy_j": statistics.median(energies_j[i]),
+                      "energy_source": source}
+        if method.backend is not None:  # one compile per share, each with its own budget
+            results[i]["compiled_graphs"] = method.backend.graphs
         method.close()
-        results.append(result)
     return results
 
 
 def run_peak(config: dict) -> dict:
-    """One method alone in this process: the RSS high-water mark of its steps above the step-start RSS."""
+    """One method alone in this process: the RSS high-water mark of its steps above the step-start RSS, then
+    one counted step for its tracked bytes."""
     from device_agent.executor.allocator import release_free_memory
     from device_agent.meters.memory import PeakRssSampler
 
     torch.set_num_threads(config["threads"])
-    method = _Method(config, config["methods"][0], _meter(config))
-    method.step()  # warm-up
-    release_free_memory()
-    with PeakRssSampler() as peak:
-        for _ in range(config["steps"]):
+    spec = config["methods"][0]
+    try:
+        method = _Method(config, spec, _meter(config))
+        for _ in range(2 if spec["method"] == "compile" else 1):  # warm-up
             method.step()
-    method.close()
-    return {"peak_rss_delta_bytes": peak.peak_bytes - peak.start_bytes}
+        release_free_memory()
+        with PeakRssSampler() as peak:
+            for _ in range(config["steps"]):
+                method.step()
+        result = {"peak_rss_delta_bytes": peak.peak_bytes - peak.start_bytes, **method.tracked()}
+        method.close()
+    except Exception as error:  # noqa: BLE001
+        return {"error": _error_text(error)}
+    return result
 
 
 ALLOCATORS = {
@@ -287,59 +547,232 @@ def _calibrated(profile, resolved, args):
                              cpu_power_w_per_thread=profile.compute_power_w / threads)
 
 
-def budget_rows(args) -> tuple[dict, list[dict]]:
+def _share_text(share: float) -> str:
+    return f"{100 * share:g}%"
+
+
+def _method_specs(model: str, batch_size: int, shares: list[float], schedules: dict[float, str]) -> list[tuple]:
+    """(label, config, share or None) of every method; POET and torch.compile once per share."""
+    from host.graph.zoo import get_model_spec
+
+    flat, _ = _pieces(get_model_spec(model).build())
+    specs = [("plain", {"method": "plain"}, None)]
+    specs += [("POET", {"method": "poet", "schedule": schedules[s]}, s) for s in shares if s in schedules]
+    specs += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}, None)
+              for k in CHECKPOINT_SEGMENTS if k < len(flat)]
+    specs += [("per-block checkpoint", {"method": "per_block"}, None),
+              ("selective checkpoint (per block)", {"method": "selective"}, None)]
+    specs += [("torch.compile", {"method": "compile", "share": s}, s) for s in shares]
+    specs += [("save_on_cpu", {"method": "save_on_cpu"}, None)]
+    return specs
+
+
+def budget_rows(args, model: str, batch_size: int, shares: list[float], measured_profile, log) -> tuple[list, list]:
+    """Solve POET at every share, time all methods interleaved, measure each alone: (budget infos, method rows)."""
     from device_agent.serde import write_schedule_file
     from host.costs import price_graph
-    from host.costs.local_bench import profile_local_machine
     from host.graph.resolve import resolve_model
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
     torch.set_num_threads(args.threads)
-    measured_profile = profile_local_machine(args.flash_dir, quick=True)
-    resolved = resolve_model(args.model, batch_size=args.batch_size)
+    resolved = resolve_model(model, batch_size=batch_size)
+    if args.calibrate:
+        print(f"[{model}] calibrating the profile on the executor's telemetry", file=log, flush=True)
     profile = _calibrated(measured_profile, resolved, args) if args.calibrate else measured_profile
     priced = price_graph(resolved.graph, profile)
     peak = no_remat_peak_bytes(priced)
-    budget = 0.5 * peak
-    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=args.runtime_budget,
-                                                 time_limit_s=args.time_limit, paging=args.paging))
-    if result.schedule is None:
-        raise SystemExit(f"no schedule at 50% of the no-remat peak: {result.message}")
-    schedule_file = os.path.join(tempfile.mkdtemp(prefix="poet-bench-"), "schedule.json")
-    write_schedule_file(result.schedule, schedule_file)
+    workdir = tempfile.mkdtemp(prefix="poet-bench-")
+    infos, schedules = {}, {}
+    for share in shares:
+        print(f"[{model}] solving at {_share_text(share)} of the no-remat peak", file=log, flush=True)
+        result = solve_schedule(priced, SolveOptions(ram_budget_bytes=share * peak, runtime_factor=args.runtime_budget,
+                                                     time_limit_s=args.time_limit, paging=args.paging))
+        info = {"model": model, "batch_size": batch_size, "budget_share": share, "no_remat_peak_bytes": peak,
+                "budget_bytes": share * peak, "status": result.status, "gap": result.gap,
+                "calibrated": args.calibrate, "message": result.message}
+        if result.schedule is not None:
+            schedules[share] = os.path.join(workdir, f"schedule-{share}.json")
+            write_schedule_file(result.schedule, schedules[share])
+            predicted = result.schedule.prediction
+            info.update(counts=result.schedule.counts(), predicted_runtime_s=predicted.runtime_s,
+                        predicted_paging_s=predicted.paging_s, predicted_energy_j=predicted.energy_j,
+                        predicted_peak_bytes=predicted.peak_ram_bytes)
+        infos[share] = info
     common = {
-        "model": args.model, "batch_size": args.batch_size, "threads": args.threads, "steps": args.steps,
+        "model": model, "batch_size": batch_size, "threads": args.threads, "steps": args.steps,
         # the meter's assumptions (calibration folds paging's CPU time into the solver's memory_power_w only)
         "compute_power_w": measured_profile.compute_power_w,  # profiled with args.threads threads
-        "memory_power_w": measured_profile.memory_power_w, "flash_dir": args.flash_dir, "schedule": schedule_file,
+        "memory_power_w": measured_profile.memory_power_w, "flash_dir": args.flash_dir,
     }
-    methods = [("plain (no recomputation)", {"method": "plain"}), ("POET", {"method": "poet"})]
-    methods += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}) for k in (2, 3, 4, 6)]
-    methods += [("per-block checkpoint", {"method": "per_block"})]
-    timed = _spawn({**common, "methods": [extra for _, extra in methods]}, "--run-timed",
+    specs = _method_specs(model, batch_size, shares, schedules)
+    print(f"[{model}] timing {len(specs)} methods interleaved", file=log, flush=True)
+    timed = _spawn({**common, "methods": [config for _, config, _ in specs]}, "--run-timed",
                    allocator="glibc keeps freed memory")
+    measured = []
+    for label, config, share in specs:
+        print(f"[{model}] peak of {label}{'' if share is None else ' at ' + _share_text(share)}", file=log, flush=True)
+        measured.append(_spawn({**common, "methods": [config]}, "--run-peak", allocator="returns freed memory at once"))
+    for path in schedules.values():
+        os.unlink(path)
+    os.rmdir(workdir)
+    plain = measured[0]
     rows = []
-    for (label, extra), timing in zip(methods, timed, strict=True):
-        peaked = _spawn({**common, "methods": [extra]}, "--run-peak", allocator="returns freed memory at once")
-        rows.append({"method": label, **timing, "peak_rss_delta_bytes": peaked["peak_rss_delta_bytes"]})
-    os.unlink(schedule_file)
-    os.rmdir(os.path.dirname(schedule_file))
-    counts = result.schedule.counts()
-    info = {"no_remat_peak_bytes": peak, "budget_bytes": budget, "status": result.status, "gap": result.gap,
-            "calibrated": args.calibrate,
-            "predicted": result.schedule.prediction, "counts": counts, "profile": profile}
-    return info, rows
+    for share in shares:
+        info = infos[share]
+        info["plain_tracked_bytes"] = plain.get("tracked_bytes")
+        info["measured_budget_bytes"] = share * plain["tracked_bytes"] if "tracked_bytes" in plain else None
+        share_rows = [_method_row(model, batch_size, share, info, label, config, timing, memory, plain)
+                      for (label, config, method_share), timing, memory in zip(specs, timed, measured, strict=True)
+                      if method_share in (None, share)]
+        if share not in schedules:  # POET's row says why, right after plain's
+            share_rows.insert(1, {"model": model, "batch_size": batch_size, "budget_share": share, "method": "POET",
+                                  **dict.fromkeys(METHOD_FIELDS), "fits_budget": False,
+                                  "note": f"no schedule: {info['message']}"})
+        rows += share_rows
+    return list(infos.values()), rows
+
+
+# Every method row has these (None where they do not apply or the method could not run).
+METHOD_FIELDS = ("s_per_step", "j_per_step", "energy_source", "peak_rss_bytes", "tracked_bytes", "tracked_source",
+                 "fits_budget", "note")
+
+
+def _method_row(model, batch_size, share, info, label, config, timing, memory, plain) -> dict:
+    """One method at one share, with whether it gets under the budget (and a note saying why not, or what it is)."""
+    row = {"model": model, "batch_size": batch_size, "budget_share": share, "method": label,
+           **dict.fromkeys(METHOD_FIELDS), "s_per_step": timing.get("step_s"), "j_per_step": timing.get("energy_j"),
+           "energy_source": timing.get("energy_source"), "peak_rss_bytes": memory.get("peak_rss_delta_bytes"),
+           **{k: v for k, v in memory.items() if k not in ("peak_rss_delta_bytes", "error", "compiled_graphs")}}
+    if config.get("segments"):
+        row["segments"] = config["segments"]
+    errors = [e for e in (timing.get("error"), memory.get("error")) if e]
+    notes = []
+    if errors:
+        row["error"] = errors[0]
+        notes.append(f"could not run here: {errors[0]}")
+    tracked = row.get("tracked_bytes")
+    if config["method"] == "poet":
+        row["fits_budget"] = tracked is not None and tracked <= info["budget_bytes"] * 1.001
+        notes.append("the executor holds its tracked bytes under the budget")
+    elif tracked is None:
+        row["fits_budget"] = None
+    else:
+        reference = plain.get("saved_tensor_bytes") if config["method"] == "compile" else plain.get("tracked_bytes")
+        row["fits_budget"] = bool(reference) and tracked <= share * reference * 1.001
+        row["share_of_plain"] = tracked / reference if reference else None
+        if config["method"] == "plain":
+            notes.append("the reference: keeps every activation")
+        elif row["share_of_plain"] is not None:
+            what = f"{100 * row['share_of_plain']:.0f}% of plain's {'saved' if config['method'] == 'compile' else 'tracked'} bytes"
+            notes.append(what if row["fits_budget"] else f"cannot get under {_share_text(share)}: {what}")
+    if config["method"] == "save_on_cpu":
+        notes.append("CPU-only machine: saved tensors already live on the CPU, so this is plain training")
+    if config["method"] == "compile":
+        notes.append(f"activation_memory_budget={share}")
+    row["note"] = "; ".join(notes)
+    return row
 
 
 # ----------------------------------------------------------------------------- main
+def _parse_budgets(text: str) -> list[float]:
+    shares = []
+    for part in text.split(","):
+        part = part.strip()
+        value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"a budget is a share of the no-remat peak in (0, 100%], got {part!r}")
+        shares.append(value)
+    return shares
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
+    print(f"\n## 1. {model}: no memory pressure: keep-all schedule against plain PyTorch, batch {batch_size} "
+          f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
+          "ratio: median of the per-step ratios, with its quartiles; floor: the same nodes run one by one with "
+          "one autograd call each, without the executor's store, hooks and telemetry)\n", file=log)
+    print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
+          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12}", file=log)
+    rows = []
+    for allocator in ("glibc default", "glibc keeps freed memory"):
+        config = {"model": model, "batch_size": batch_size, "steps": args.overhead_steps, "threads": args.threads}
+        for row in _spawn(config, mode="--run-overhead", allocator=allocator):
+            print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
+                  f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
+                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f}", file=log, flush=True)
+            rows.append({"model": model, "batch_size": batch_size, "allocator": allocator,
+                         "granularity": row["granularity"], "nodes": row["nodes"],
+                         "instructions": row["instructions"], "plain_s_per_step": row["plain_s"],
+                         "poet_s_per_step": row["schedule_s"], "ratio": row["ratio"], "ratio_q1": row["ratio_q1"],
+                         "ratio_q3": row["ratio_q3"], "floor_ratio": row["floor_ratio"]})
+    return rows
+
+
+def _print_methods(args, info: dict, rows: list[dict], log) -> None:
+    share = info["budget_share"]
+    print(f"\n## 2. {info['model']}, batch {info['batch_size']}, at {_share_text(share)} of the no-remat peak "
+          f"({info['budget_bytes'] / 1e6:.2f} MB of {info['no_remat_peak_bytes'] / 1e6:.2f} MB), layer granularity, "
+          f"profile of this machine (quick{', calibrated on executor telemetry of this model' if info['calibrated'] else ''})"
+          "\n", file=log)
+    if "counts" in info:
+        gap = f", gap {100 * info['gap']:.1f}%" if info["gap"] else ""
+        counts = info["counts"]
+        print(f"POET schedule ({info['status']}{gap}, runtime factor {args.runtime_budget}): "
+              f"{counts['recomputes']} recomputes, {counts['page_outs']} page-outs, {counts['page_ins']} page-ins; "
+              f"predicted {info['predicted_runtime_s'] + info['predicted_paging_s']:.4f} s, "
+              f"{info['predicted_energy_j']:.3f} J, peak {info['predicted_peak_bytes'] / 1e6:.2f} MB", file=log)
+    else:
+        print(f"POET: no schedule ({info['status']}: {info['message']})", file=log)
+    sources = sorted({r["energy_source"] for r in rows if r.get("energy_source")})
+    print(f"energy: {', '.join(sources) or '-'}; peak RSS: high-water above the step-start RSS, allocator returning "
+          f"freed memory at once; tracked: POET's executor, else live activation bytes (torch.compile: saved bytes); "
+          f"fits: tracked <= {_share_text(share)} of plain's, counted alike (plain: "
+          f"{_mb(info.get('plain_tracked_bytes'))} MB)\n", file=log)
+    print(f"{'method':<34} {'s/step':>8} {'J/step':>8} {'peak RSS MB':>12} {'tracked MB':>11} {'fits':>5}  note",
+          file=log)
+    for row in rows:
+        label = row["method"] + (f" ({row['error'].split(':')[0]})" if row.get("error") else "")
+        step_s = "-" if row.get("s_per_step") is None else f"{row['s_per_step']:.4f}"
+        energy = "-" if row.get("j_per_step") is None else f"{row['j_per_step']:.3f}"
+        fits = {True: "yes", False: "no", None: "-"}[row.get("fits_budget")]
+        print(f"{label:<34} {step_s:>8} {energy:>8} {_mb(row.get('peak_rss_bytes')):>12} "
+              f"{_mb(row.get('tracked_bytes')):>11} {fits:>5}  {row.get('note', '')}", file=log)
+    poet = next((r for r in rows if r["method"] == "POET" and r.get("j_per_step") is not None), None)
+    rivals = [r for r in rows if r["method"] not in ("plain", "POET") and r.get("j_per_step") is not None
+              and r.get("peak_rss_bytes") is not None]
+    if poet is None or not rivals or poet.get("peak_rss_bytes") is None:
+        return
+    within = [r for r in rivals if r["peak_rss_bytes"] <= 1.05 * poet["peak_rss_bytes"]]
+    if within:
+        best = min(within, key=lambda r: r["j_per_step"])
+        print(f"\nat equal or lower peak RSS (within 5% of POET's {_mb(poet['peak_rss_bytes'])} MB), the lowest-energy "
+              f"alternative is {best['method']}: {best['j_per_step'] / poet['j_per_step']:.2f}x POET's energy, "
+              f"{best['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
+    else:
+        print(f"\nno alternative ran at or below POET's peak RSS ({_mb(poet['peak_rss_bytes'])} MB, within 5%)", file=log)
+    nearest = min(rivals, key=lambda r: abs(r["peak_rss_bytes"] - poet["peak_rss_bytes"]))
+    print(f"nearest in memory: {nearest['method']} at {_mb(nearest['peak_rss_bytes'])} MB: "
+          f"{nearest['j_per_step'] / poet['j_per_step']:.2f}x POET's energy, "
+          f"{nearest['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet18_cifar")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated zoo models (default {','.join(DEFAULT_MODELS)})")
+    parser.add_argument("--model", help="one model (same as --models MODEL)")
+    parser.add_argument("--budgets", type=_parse_budgets, default=[0.5, 0.3],
+                        help="part 2: shares of the no-remat peak, e.g. 50%%,30%% (the default)")
+    parser.add_argument("--batch-size", type=int, help="batch of part 2 (default per model: "
+                        + ", ".join(f"{m} {b[1]}" for m, b in BATCH_SIZES.items()) + ")")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method in part 2 (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
     parser.add_argument("--flash-dir", default=".")
-    parser.add_argument("--overhead-batch-size", type=int, default=128, help="batch of part 1 (default 128)")
+    parser.add_argument("--overhead-batch-size", type=int, help="batch of part 1 (default per model: "
+                        + ", ".join(f"{m} {b[0]}" for m, b in BATCH_SIZES.items()) + ")")
     parser.add_argument("--overhead-steps", type=int, default=20, help="timed steps of part 1 (default 20)")
     parser.add_argument("--runtime-budget", type=float, default=2.0, help="runtime factor of the solve (default 2)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="solver time limit, seconds")
@@ -348,6 +781,7 @@ def main() -> None:
                              "executor's telemetry first")
     parser.add_argument("--no-paging", dest="paging", action="store_false", help="part 2: POET recomputes only")
     parser.add_argument("--part", type=int, choices=[1, 2], help="run only this part (default: both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)
     parser.add_argument("--run-peak", help=argparse.SUPPRESS)
     parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
@@ -362,58 +796,33 @@ def main() -> None:
         config = json.loads(args.run_overhead)
         print(json.dumps(overhead_rows(config["model"], config["batch_size"], config["steps"], config["threads"])))
         return
+    models = [args.model] if args.model else [m.strip() for m in args.models.split(",") if m.strip()]
+    log = sys.stderr if args.json else sys.stdout
     torch.set_num_threads(args.threads)
-    print(f"# Executor benchmark: {args.model}, {args.threads} torch thread(s), torch {torch.__version__}")
+    print(f"# Executor benchmark: {', '.join(models)}, {args.threads} torch thread(s), torch {torch.__version__}",
+          file=log)
+    report = {"torch": torch.__version__, "threads": args.threads, "models": models, "budget_shares": args.budgets,
+              "overhead": [], "methods": [], "budgets": []}
     if args.part in (None, 1):
-        print(f"\n## 1. No memory pressure: keep-all schedule against plain PyTorch, batch {args.overhead_batch_size} "
-              f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
-              "ratio: median of the per-step ratios, with its quartiles; floor: the same nodes run one by one with "
-              "one autograd call each, without the executor's store, hooks and telemetry)\n")
-        print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
-              f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12}")
-        for allocator in ("glibc default", "glibc keeps freed memory"):
-            config = {"model": args.model, "batch_size": args.overhead_batch_size, "steps": args.overhead_steps,
-                      "threads": args.threads}
-            for row in _spawn(config, mode="--run-overhead", allocator=allocator):
-                print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
-                      f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
-                      f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f}")
+        for model in models:
+            batch_size = args.overhead_batch_size or BATCH_SIZES.get(model, (128, 64))[0]
+            report["overhead"] += _print_overhead(model, args, batch_size, log)
+    if args.part in (None, 2):
+        from host.costs.local_bench import profile_local_machine
 
-    if args.part == 1:
-        return
-    info, rows = budget_rows(args)
-    predicted = info["predicted"]
-    print(f"\n## 2. Batch {args.batch_size}, at 50% of the no-remat peak ({info['budget_bytes'] / 1e6:.1f} MB of "
-          f"{info['no_remat_peak_bytes'] / 1e6:.1f} MB), layer granularity, profile of this machine (quick"
-          f"{', calibrated on executor telemetry of this model' if info['calibrated'] else ''})\n")
-    gap = f", gap {100 * info['gap']:.1f}%" if info["gap"] else ""
-    print(f"POET schedule ({info['status']}{gap}, runtime factor {args.runtime_budget}): "
-          f"{info['counts']['recomputes']} recomputes, "
-          f"{info['counts']['page_outs']} page-outs, {info['counts']['page_ins']} page-ins; predicted "
-          f"{predicted.runtime_s + predicted.paging_s:.4f} s, {predicted.energy_j:.3f} J, "
-          f"peak {predicted.peak_ram_bytes / 1e6:.1f} MB")
-    print("energy: modelled:cpu-time×power (not measured); peak RSS: high-water above the step-start RSS, "
-          "allocator returning freed memory at once\n")
-    print(f"{'method':<28} {'s/step':>8} {'J/step':>8} {'peak RSS MB':>12} {'tracked MB':>11}")
-    for row in rows:
-        tracked = f"{row['peak_tracked_bytes'] / 1e6:>11.1f}" if row.get("peak_tracked_bytes") else f"{'-':>11}"
-        print(f"{row['method']:<28} {row['step_s']:>8.4f} {row['energy_j']:>8.3f} "
-              f"{row['peak_rss_delta_bytes'] / 1e6:>12.1f} {tracked}")
-    poet = next(r for r in rows if r["method"] == "POET")
-    rivals = [r for r in rows if "checkpoint" in r["method"] and r["peak_rss_delta_bytes"] >= poet["peak_rss_delta_bytes"]]
-    if rivals:
-        best = min(rivals, key=lambda r: r["energy_j"])
-        print(f"\nat equal or higher memory, the best checkpointing is {best['method']}: "
-              f"{best['energy_j'] / poet['energy_j']:.2f}x POET's energy, {best['step_s'] / poet['step_s']:.2f}x its time")
-    else:
-        print("\nno checkpointing configuration used as much memory as POET's schedule")
-    checkpoints = [r for r in rows if "checkpoint" in r["method"]]
-    nearest = min(checkpoints, key=lambda r: abs(r["peak_rss_delta_bytes"] - poet["peak_rss_delta_bytes"]))
-    print(f"nearest in memory: {nearest['method']} at {nearest['peak_rss_delta_bytes'] / 1e6:.1f} MB "
-          f"(POET {poet['peak_rss_delta_bytes'] / 1e6:.1f} MB): {nearest['energy_j'] / poet['energy_j']:.2f}x POET's "
-          f"energy, {nearest['step_s'] / poet['step_s']:.2f}x its time")
-    print("note: torch.utils.checkpoint recomputes BatchNorm forwards and so moves the running statistics twice "
-          "per step; POET's recomputations do not.")
+        print("\nprofiling this machine (quick)", file=log, flush=True)
+        measured_profile = profile_local_machine(args.flash_dir, quick=True)
+        for model in models:
+            batch_size = args.batch_size or BATCH_SIZES.get(model, (128, 64))[1]
+            infos, rows = budget_rows(args, model, batch_size, args.budgets, measured_profile, log)
+            for info in infos:
+                _print_methods(args, info, [r for r in rows if r["budget_share"] == info["budget_share"]], log)
+            report["budgets"] += infos
+            report["methods"] += rows
+        print("\nnote: torch.utils.checkpoint (and selective checkpointing) recomputes BatchNorm forwards and so moves "
+              "the running statistics twice per step; POET's recomputations do not.", file=log)
+    if args.json:
+        print(json.dumps(report, default=str))
 
 
 if __name__ == "__main__":
