@@ -216,7 +216,7 @@ def telemetry_event_to_proto(event, *, job_id: str, unix_time_s: float):
     if event.type == "instruction":
         instruction = _fleet.InstructionTelemetry(
             kind=_KIND_TO_PB[event.kind], location=_LOCATION_TO_PB[event.location],
-            **{f: getattr(event, f) for f in _INSTRUCTION_FIELDS},
+            **{f: value for f in _INSTRUCTION_FIELDS if (value := getattr(event, f)) is not None},
         )
         if event.energy_j is not None:
             instruction.energy_j = event.energy_j

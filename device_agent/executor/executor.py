@@ -150,6 +150,7 @@ class ScheduleExecutor:
         enforce_budget: bool = False,
         drop_page_cache: bool = True,
         return_freed_memory: bool = False,
+        instrumented: bool = False,
         log: Callable[[str], None] | None = None,
     ):
         self.partition = partition
@@ -159,6 +160,9 @@ class ScheduleExecutor:
         self.flash_needed_bytes = 0  # with page-file overhead; checked against the free space
         self.ram_budget_bytes = float(schedule.ram_budget_bytes or 0.0)
         self.enforce_budget = enforce_budget
+        # Per-instruction CPU time and energy (two meter readings each) for every instruction, not only for the
+        # page transfers: calibration fits wall times and the transfers' CPU share, so training needs neither.
+        self.instrumented = instrumented
         self.events = events if events is not None else EventStream()
         self.energy_meter = energy_meter
         self.rss = RssSampler()
@@ -244,11 +248,16 @@ class ScheduleExecutor:
         started = time.perf_counter()
         step = self.step_index
         nodes = partition.nodes
+        instrumented = self.instrumented
+        rss_bytes = self.rss.rss_bytes()
         try:
             for position, op in enumerate(self.ops):
-                # Readings just before and just after the instruction: its CPU time, and its energy when
-                # there is a meter (the meter's label as of the after reading).
-                before = meter_read()
+                # Instrumented (or a page transfer, whose CPU share calibration fits): meter readings just
+                # before and just after the instruction, for its CPU time and its energy (the meter's label
+                # as of the after reading). Otherwise only the wall clock (vDSO, no system call) is read.
+                transfer = op.kind == "page_in" or op.kind == "page_out"
+                metered = instrumented or transfer
+                before = meter_read() if metered else None
                 t0 = time.perf_counter()
                 if op.kind == "compute":
                     moved = self._compute(op, state)
@@ -265,22 +274,24 @@ class ScheduleExecutor:
                     moved = self._pages().delete(op.node)
                     state.counters.frees_flash += 1
                 duration_s = time.perf_counter() - t0
-                after = meter_read()
                 if op.kind == "compute":
                     compute_s += duration_s
-                elif op.kind in ("page_in", "page_out"):
+                elif transfer:
                     paging_s += duration_s
-                if meter is not None:
-                    # page_out/page_in: the modelled meter charges storage power for the transfer (as the
-                    # step's figure does); a measured meter ignores paging_s.
-                    instruction_energy_j, instruction_cpu_s = meter.energy_j(
-                        before, after, duration_s if op.kind in ("page_in", "page_out") else 0.0)
-                    instruction_source = meter.source
-                else:
-                    instruction_energy_j, instruction_source = None, ""
-                    instruction_cpu_s = max(after.cpu_s - before.cpu_s, 0.0)
-                rss_bytes = self.rss.rss_bytes()
-                rss_peak = max(rss_peak, rss_bytes)
+                instruction_energy_j, instruction_source, instruction_cpu_s = None, "", None
+                if metered:
+                    after = meter_read()
+                    if meter is not None:
+                        # page_out/page_in: the modelled meter charges storage power for the transfer (as the
+                        # step's figure does); a measured meter ignores paging_s.
+                        instruction_energy_j, instruction_cpu_s = meter.energy_j(
+                            before, after, duration_s if transfer else 0.0)
+                        instruction_source = meter.source
+                    else:
+                        instruction_cpu_s = max(after.cpu_s - before.cpu_s, 0.0)
+                if instrumented or op.kind == "compute" or op.kind == "page_in":  # frees and page-outs cannot raise RSS
+                    rss_bytes = self.rss.rss_bytes()
+                    rss_peak = max(rss_peak, rss_bytes)
                 if self.enforce_budget and self.ram_budget_bytes and (
                     self.ram.in_use_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
                 ):

@@ -37,7 +37,9 @@ class InstructionEvent:
     ram_in_use_bytes: int  # controlled bytes after the instruction
     rss_bytes: int  # process resident set size after the instruction
     recompute: bool = False  # a compute of a node already computed in this step
-    cpu_s: float = 0.0  # CPU time of this process during the instruction (all threads)
+    # CPU time of this process during the instruction (all threads); None when not read (an uninstrumented
+    # executor reads the meter around page transfers only).
+    cpu_s: float | None = None
     # The meter's energy between readings just before and just after the instruction (page_out/page_in:
     # a modelled meter adds storage power over the duration), and the meter's label at the after reading;
     # None and "" without a meter. Disjoint intervals inside the step: they sum to at most its energy.

@@ -86,8 +86,10 @@ def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: 
     meter = local_energy_meter(profile)
     torch.manual_seed(seed)
     result = RunResult([], [], [], meter.source)
+    # Asked for per-instruction events (--events): every instruction gets its CPU time and energy, at two meter
+    # readings each; otherwise only page transfers do (calibration needs no more).
     with ScheduleExecutor(partition, schedule, flash_dir=flash_dir, events=events, energy_meter=meter,
-                          return_freed_memory=return_freed_memory) as executor:
+                          return_freed_memory=return_freed_memory, instrumented=events is not None) as executor:
         for step in range(steps):
             losses, step_s, energy_j = [], 0.0, 0.0
             for micro_batch in range(accumulate_steps):

@@ -1,4 +1,5 @@
-"""Every instruction event carries the meter's energy over the instruction and the meter's label.
+"""Instrumented, every instruction event carries the meter's energy over the instruction and the meter's label;
+uninstrumented (training's default), only the page transfers do, and computes cost no meter reading.
 
 The energy is the meter's figure between a reading just before and one just after the instruction
 (page_out/page_in: the modelled meter adds storage power over the transfer), labelled with the meter's
@@ -24,12 +25,13 @@ FIXTURES = Path(__file__).parents[1] / "meters" / "fixtures"
 fleet = protos.load("poet.v1.fleet_pb2")
 
 
-def _run(schedule, meter, tmp_path, steps: int = 2, events: EventStream | None = None) -> EventStream:
+def _run(schedule, meter, tmp_path, steps: int = 2, events: EventStream | None = None,
+         instrumented: bool = True) -> EventStream:
     current = case("mlp")
     events = events if events is not None else EventStream()
     current.reset()
     with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path), events=events,
-                          energy_meter=meter) as executor:
+                          energy_meter=meter, instrumented=instrumented) as executor:
         for _ in range(steps):
             executor.train_step(current.bundle.inputs, current.bundle.labels)
     return events
@@ -145,3 +147,31 @@ def test_instruction_energy_and_label_cross_the_protocol():
     decoded = fleet.TelemetryEvent.FromString(unmetered.SerializeToString())
     assert not decoded.instruction.HasField("energy_j")
     assert decoded.instruction.energy_source == ""
+
+
+class _CountingMeter(ModelledEnergyMeter):
+    """The modelled meter, counting its readings."""
+
+    readings = 0
+
+    def read(self):
+        type(self).readings += 1
+        return super().read()
+
+
+def test_uninstrumented_training_reads_the_meter_around_page_transfers_only(tmp_path):
+    schedule, _ = schedule_for("mlp", "mixed")
+    meter = _CountingMeter(compute_power_w=15.0, memory_power_w=3.0, threads=2)
+    _CountingMeter.readings = 0
+    events = _run(schedule, meter, tmp_path, steps=2, instrumented=False)
+    instructions = events.instructions()
+    transfers = [e for e in instructions if e.kind in ("page_in", "page_out")]
+    assert transfers and all(e.cpu_s is not None and e.energy_j > 0 and e.energy_source == SOURCE for e in transfers)
+    others = [e for e in instructions if e.kind not in ("page_in", "page_out")]
+    assert others and all(e.cpu_s is None and e.energy_j is None and e.energy_source == "" for e in others)
+    assert all(e.duration_s > 0 for e in instructions if e.kind == "compute")
+    assert _CountingMeter.readings == 2 * len(transfers) + 2 * 2  # the transfers' pairs and each step's own pair
+    step = events.steps()[-1]
+    assert step.energy_j > 0 and step.energy_source == SOURCE  # the step's figure is still the meter's
+    message = serde.telemetry_event_to_proto(others[0], job_id="j", unix_time_s=0.0)  # None is left unset
+    assert message.instruction.cpu_s == 0.0 and not message.instruction.HasField("energy_j")
