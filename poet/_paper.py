@@ -27,7 +27,9 @@ _SOLVERS = {"highs": "highs", "cbc": "cbc", "gurobi": "gurobi", "gurobipy": "gur
 
 
 class InfeasibleBudgetError(InputError):
-    """No schedule meets the budgets; ``minimum_ram_bytes`` is the least RAM budget any schedule can meet."""
+    """No schedule meets the budgets; ``minimum_ram_bytes`` is the hard floor: no schedule meets a RAM budget below
+    it (the largest node's inputs and output), and with paging and recomputation allowed and no binding runtime
+    budget, one meets it."""
 
     def __init__(self, message: str, minimum_ram_bytes: int, report: SolveReport):
         super().__init__(message)
@@ -93,6 +95,8 @@ def solve(
     profile = load_platform(platform)
     if scale != 1.0:
         profile = dataclasses.replace(profile, memory_power_w=profile.memory_power_w * scale)
+    if time_limit_s is not None and not isinstance(time_limit_s, (int, float)):
+        raise InputError(f"time_limit_s: expected seconds as a number, got {type(time_limit_s).__name__}")
     if time_limit_s is not None and not math.isfinite(time_limit_s) or (time_limit_s or 0) >= 1e30:
         time_limit_s = None  # the paper's default 1e100: no limit
     settings = SolveSettings(runtime_budget=runtime_budget, time_limit_s=time_limit_s, solve_threads=solve_threads,
@@ -149,6 +153,7 @@ def _infeasible(report: SolveReport, budget_bytes: float, settings: SolveSetting
                    f"schedule holds at once); raise ram_budget to at least {floor}")
     else:
         message = (f"no schedule of {report.model} on {report.platform} meets ram_budget {budget_bytes:.0f} bytes "
-                   f"and runtime_budget {settings.runtime_budget:g} (the minimum feasible RAM budget, with paging, "
-                   f"is {floor} bytes): {report.message}")
+                   f"and runtime_budget {settings.runtime_budget:g} ({floor} bytes is the hard floor, which paging and "
+                   f"recomputation together meet without a binding runtime budget; paging={settings.paging}, "
+                   f"remat={settings.remat}): {report.message}")
     return InfeasibleBudgetError(message, floor, report)

@@ -35,7 +35,7 @@ class InstructionEvent:
     duration_s: float
     bytes_moved: int  # compute: bytes added to RAM; page_out/in: file bytes; free: bytes released
     ram_in_use_bytes: int  # controlled bytes after the instruction
-    rss_bytes: int  # process resident set size after the instruction
+    rss_bytes: int  # process RSS: read after computes and page-ins (every instruction when instrumented), else the last
     recompute: bool = False  # a compute of a node already computed in this step
     # CPU time of this process during the instruction (all threads); None when not read (an uninstrumented
     # executor reads the meter around page transfers only).

@@ -2,7 +2,8 @@
 
 Every figure it produces is labelled ``modelled:cpu-time×power``: it is a model, never a measurement.
 ``compute_power_w`` is the power with ``threads`` CPU threads busy, so one CPU-second costs
-``compute_power_w / threads`` joules; the caller supplies the assumptions (e.g. from a platform profile).
+``compute_power_w / threads`` joules. The caller supplies the powers (e.g. from a platform profile), or
+:func:`modelled_energy_meter` takes the documented assumptions below.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def assumed_machine(machine: str) -> str:
 
 
 class EnergyReading(NamedTuple):
-    # A NamedTuple, not a frozen dataclass: the executor reads the meter around every instruction, and a
-    # tuple is built in a fifth of the time.
+    # A NamedTuple, not a frozen dataclass: an instrumented executor reads the meter around every instruction,
+    # and a tuple is built in a fifth of the time.
     cpu_s: float
     wall_s: float
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from device_agent.executor.reference import OPTIMIZERS
 from host.cli.common import (
     EXIT_OK,
     CliError,
@@ -581,7 +582,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--kind", default="train", choices=["train", "verify", "profile"],
                      help="train; verify (train plus a plain run, comparing parameters); profile (measure the board, "
                           "stored as its profile) (default: train)")
-    run.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="(default: sgd)")
+    run.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS), help="(default: sgd)")
     run.add_argument("--lr", type=learning_rate, metavar="X", help="learning rate (default 0.01)")
     run.add_argument("--collect", default="none", choices=["none", "weights", "delta"],
                      help="bring back the trained weights or their difference from the initial ones (default: none: "

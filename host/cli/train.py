@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from device_agent.executor.reference import OPTIMIZERS
 from host.cli.common import (
     EXIT_INFEASIBLE,
     EXIT_OK,
@@ -170,11 +171,12 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", metavar="FILE", type=file_path,
                         help="run this schedule (from `poet solve --out`) instead of solving (default: solve here)")
     parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
                         help="sgd (momentum 0.9) or adamw (default: sgd)")
     parser.add_argument("--accumulate", type=positive_int, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation), >= 1; the schedule is solved "
-                             "for one micro-batch, so N times the batch trains in the same RAM (default 1)")
+                             "for one micro-batch, so an N times larger batch fits the same RAM; here each micro-batch "
+                             "is the model's example batch (default 1)")
     parser.add_argument("--lr", type=learning_rate, default=None, metavar="LR",
                         help="learning rate, > 0 (default: 0.01 for sgd, 0.001 for adamw)")
     parser.add_argument("--seed", type=seed_int, default=0, metavar="N",

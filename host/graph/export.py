@@ -109,11 +109,13 @@ def export_error(error: Exception, bundle: ModelBundle) -> TraceError:
     )
 
 
-def export_program(bundle: ModelBundle) -> torch.export.ExportedProgram:
+def export_program(bundle: ModelBundle, *, unroll_recurrent_layers: bool = True) -> torch.export.ExportedProgram:
     """``torch.export`` of the model with its loss (a TraceError on failure).
 
-    ``.module()`` of the result, through :func:`device_agent.executor.split.make_schedulable`, is the program
-    the trace groups; a board rebuilds the same from the saved archive.
+    ``unroll_recurrent_layers``: LSTM/GRU/RNN ops become one cell per time step (equal to eager's fused kernels
+    to float rounding, not bitwise); False keeps the fused op. ``.module()`` of the result, through
+    :func:`device_agent.executor.split.make_schedulable`, is the program the trace groups; a board rebuilds the
+    same from the saved archive.
     """
     wrapper = _LossWrapper(bundle.module, bundle.training_loss)
     # On failure torch logs a warning and prints partial graphs to stderr; the TraceError says it better,
@@ -130,5 +132,6 @@ def export_program(bundle: ModelBundle) -> torch.export.ExportedProgram:
     finally:
         shapes_log.setLevel(level)
     sys.stderr.write(held.getvalue())
-    unroll_recurrent(program)  # in the program itself, so the archive a board receives holds the cells
+    if unroll_recurrent_layers:
+        unroll_recurrent(program)  # in the program itself, so the archive a board receives holds the cells
     return program

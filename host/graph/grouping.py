@@ -168,7 +168,9 @@ def assign_groups(
         draft.nodes = sorted([*draft.nodes, *needed], key=order.__getitem__)
     if not loss_draft.nodes:
         raise TraceError(
-            "the loss_fn added no ops after the model output: return a scalar computed from output and labels"
+            "no loss ops after the model's output: the loss was computed inside the model (a ModelOutput with its "
+            "own 'loss') or loss_fn does not compute it from the output. Return the logits (or a ModelOutput "
+            "without a loss) and let loss_fn compute a scalar from output and labels: the loss is a node of its own"
         )
     return ordered, prefix, shared_views
 

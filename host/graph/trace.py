@@ -121,7 +121,9 @@ def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: in
 
 def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: float) -> TracedModel:
     """The passes in order; the forward run and the backward re-runs draw from the RNG in this order."""
-    exported = export_program(bundle)
+    # A recurrent layer is split per time step only where a node is a layer or an op: a block keeps the fused
+    # kernel, and so the bitwise equality with eager that the unrolled cells give up (float rounding).
+    exported = export_program(bundle, unroll_recurrent_layers=granularity != "block")
     gm = make_schedulable(exported.module())
     user_inputs, label_node = _split_placeholders(gm, bundle)
     grouping = group_program(gm, user_inputs, bundle.module, granularity, block_depth)

@@ -41,8 +41,10 @@ class ModelBundle:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, labels) -> scalar
 
     def training_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
-        """``loss_fn`` on the model's output as returned: a tensor, or a Hugging Face ``ModelOutput`` whose own
-        ``loss`` is trained on when the model computed one, and whose ``logits`` go to ``loss_fn`` otherwise."""
+        """``loss_fn`` on the model's output as returned: a tensor, or a Hugging Face ``ModelOutput``'s ``logits``.
+
+        A loss the model computed itself is returned as is, so plain training uses it; the trace then refuses
+        the model, naming the fix (its loss must be a node of its own, computed by ``loss_fn``)."""
         if isinstance(output, Mapping) and output.get("loss") is not None:
             return output["loss"]
         return self.loss_fn(output_tensor(output), labels)

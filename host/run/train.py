@@ -83,9 +83,10 @@ def check_schedule_nodes(schedule, graph, label: str) -> None:
 def prepare(source: ModelSource, *, platform: Any = None, ram_budget: Any = None,
             settings: SolveSettings | None = None, schedule: Any = None, flash_dir: str | None = ".",
             threads: int | None = None, allocator: str | None = None, cgroup: str | None = None,
-            need_schedule: bool = True, log: Log = _silent,
+            need_schedule: bool = True, optimizer: str = "sgd", log: Log = _silent,
             progress: Callable[[Any], None] | None = None) -> Prepared:
-    """Trace the model, price it, and solve or load its schedule; every check happens before training."""
+    """Trace the model, price it with ``optimizer``'s state in its fixed bytes, and solve or load its schedule;
+    every check happens before training."""
     from host.costs import list_platforms, price_graph
     from host.graph.partition import partition_from_traced
     from host.solver.solve import no_remat_peak_bytes
@@ -116,7 +117,7 @@ def prepare(source: ModelSource, *, platform: Any = None, ram_budget: Any = None
             f"{source.name!r} is a reference graph without weights; training needs a real PyTorch model "
             "(a zoo name, module:callable or an nn.Module)"
         )
-    priced = price_graph(resolved.graph, profile)
+    priced = price_graph(resolved.graph.with_optimizer(optimizer), profile)  # the schedule's fixed bytes count it
     peak = no_remat_peak_bytes(priced)
     if budget is not None:
         budget_bytes = budget.resolve(peak)
@@ -136,7 +137,8 @@ def prepare(source: ModelSource, *, platform: Any = None, ram_budget: Any = None
     elif need_schedule:
         log(f"solving the schedule for {budget_bytes:,.0f} bytes ({100 * budget_bytes / peak:.0f}% of the no-remat "
             "peak)")
-        problem = SolveProblem(source.name, resolved, profile, priced, peak, budget_bytes, settings, time.perf_counter())
+        problem = SolveProblem(source.name, resolved, profile, priced, peak, budget_bytes, settings, time.perf_counter(),
+                               optimizer=optimizer)
         solve_report = run_solve(problem, progress=progress)
         if solve_report.interrupted:
             raise KeyboardInterrupt  # stopped while solving: do not go on to train
@@ -338,7 +340,7 @@ def train(
                              paging_in_runtime=paging_in_runtime)
     prepared = prepare(source, platform=platform, ram_budget=ram_budget, settings=settings, schedule=schedule,
                        flash_dir=None if plain else flash_dir, threads=threads, allocator=allocator, cgroup=cgroup,
-                       need_schedule=not plain, log=log, progress=progress)
+                       need_schedule=not plain, optimizer=optimizer, log=log, progress=progress)
     bundle = prepared.resolved.bundle
     if cgroup:
         from device_agent.executor.allocator import release_free_memory
@@ -474,7 +476,8 @@ def verify(
                              solver=solver, formulation=formulation, mip_gap=mip_gap, paging=paging, remat=remat,
                              paging_in_runtime=paging_in_runtime)
     prepared = prepare(source, platform=platform, ram_budget=ram_budget, settings=settings, schedule=schedule,
-                       flash_dir=flash_dir, threads=threads, allocator=allocator, log=log, progress=progress)
+                       flash_dir=flash_dir, threads=threads, allocator=allocator, optimizer=optimizer, log=log,
+                       progress=progress)
     scheduled_bundle = prepared.resolved.bundle
     plain_bundle = reference.bundle()
     scheduled = train_scheduled(prepared.partition, prepared.schedule, scheduled_bundle, steps=steps,

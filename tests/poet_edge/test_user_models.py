@@ -74,6 +74,31 @@ def test_a_model_output_with_its_own_loss_is_trained_on_that_loss():
         loss(SequenceClassifierOutput(hidden_states=(logits,)), labels)
 
 
+def test_a_model_computing_its_own_loss_is_refused_naming_the_fix(tmp_path):
+    """A loss computed inside the model leaves no loss node to schedule: the error says what to return instead."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from poet_edge import InputError
+
+    class OwnLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x, y):
+            logits = self.fc(x)
+            return SequenceClassifierOutput(loss=F.cross_entropy(logits, y), logits=logits)
+
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    with pytest.raises((InputError, ValueError), match="computed inside the model"):
+        verify(OwnLoss(), "a72", "100%", inputs=(x, y), labels=y, flash_dir=tmp_path)
+
+
+def test_a_recurrent_layer_kept_whole_at_block_granularity_trains_bitwise_like_eager(tmp_path):
+    report = verify(_factory("gru_transposed"), "a72", "100%", granularity="block", steps=2, flash_dir=tmp_path)
+    assert report.ok and report.bitwise_equal, report
+
+
 def _users_loop(model, inputs, labels, *, steps: int, micro_batches: int = 1, optimizer: str = "sgd"):
     """The user's own eager loop: forward, loss, backward (accumulated), optimizer.step()."""
     if optimizer == "sgd":
