@@ -538,6 +538,8 @@ def _calibrated(profile, resolved, args):
     for options in (SolveOptions(ram_budget_bytes=peak),
                     SolveOptions(ram_budget_bytes=0.6 * peak, remat=False, time_limit_s=30)):
         schedule = solve_schedule(priced, options).schedule
+        if schedule is None:  # no paging schedule at 60% (mlp: one node's working set is 75% of the peak)
+            continue
         with ScheduleExecutor(partition_from_traced(resolved.traced), schedule, flash_dir=args.flash_dir,
                               events=events) as executor:
             for _ in range(4):
@@ -759,6 +761,14 @@ def _print_methods(args, info: dict, rows: list[dict], log) -> None:
           f"{nearest['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
 
 
+def _failed(report: dict, model: str, part: int, error: BaseException, log) -> None:
+    """A model's part that failed: its traceback on the log, its error in the report's ``errors``."""
+    import traceback
+
+    traceback.print_exception(error, file=log)
+    report["errors"].append({"model": model, "part": part, "error": _error_text(error)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -802,11 +812,14 @@ def main() -> None:
     print(f"# Executor benchmark: {', '.join(models)}, {args.threads} torch thread(s), torch {torch.__version__}",
           file=log)
     report = {"torch": torch.__version__, "threads": args.threads, "models": models, "budget_shares": args.budgets,
-              "overhead": [], "methods": [], "budgets": []}
+              "overhead": [], "methods": [], "budgets": [], "errors": []}
     if args.part in (None, 1):
         for model in models:
             batch_size = args.overhead_batch_size or BATCH_SIZES.get(model, (128, 64))[0]
-            report["overhead"] += _print_overhead(model, args, batch_size, log)
+            try:
+                report["overhead"] += _print_overhead(model, args, batch_size, log)
+            except Exception as error:  # noqa: BLE001 - one model failing leaves the others' rows in the report
+                _failed(report, model, 1, error, log)
     if args.part in (None, 2):
         from host.costs.local_bench import profile_local_machine
 
@@ -814,7 +827,11 @@ def main() -> None:
         measured_profile = profile_local_machine(args.flash_dir, quick=True)
         for model in models:
             batch_size = args.batch_size or BATCH_SIZES.get(model, (128, 64))[1]
-            infos, rows = budget_rows(args, model, batch_size, args.budgets, measured_profile, log)
+            try:
+                infos, rows = budget_rows(args, model, batch_size, args.budgets, measured_profile, log)
+            except Exception as error:  # noqa: BLE001
+                _failed(report, model, 2, error, log)
+                continue
             for info in infos:
                 _print_methods(args, info, [r for r in rows if r["budget_share"] == info["budget_share"]], log)
             report["budgets"] += infos
@@ -823,6 +840,9 @@ def main() -> None:
               "the running statistics twice per step; POET's recomputations do not.", file=log)
     if args.json:
         print(json.dumps(report, default=str))
+    if report["errors"]:
+        failed = ", ".join(f"{e['model']} part {e['part']}" for e in report["errors"])
+        raise SystemExit(f"failed: {failed}")
 
 
 if __name__ == "__main__":
