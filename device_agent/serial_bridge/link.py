@@ -13,6 +13,10 @@ without waiting for the timeout: a sender waiting for an ACK sends its DATA agai
 was most likely that ACK); an end that is not sending repeats the ACK of the last DATA it took in sequence,
 which the sender, waiting for the ACK of the next seq, takes as "not received" and sends that DATA again at once.
 Neither applies to the hello. The frames are the same; a peer without these rules ignores such an ACK as stale.
+
+A frame waits for its ACK at least twice its time on the line (``line_bytes_per_s``, known for serial devices and
+QEMU's socket), and a copy sent on a timeout draws an ACK of its own that is not taken as "not received" for the
+next frame: a slow line never fills with copies of frames that were still crossing.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ FRAGMENT_SURVIVAL = 0.5  # fragment_bytes_for: the share of whole frames that mu
 LOOPBACK_BYTES_PER_S = 20_000.0
 LOOPBACK_ACK_FLOOR_S = 0.02
 DEFAULT_BAUDRATE = 115200
+UART_BITS_PER_BYTE = 10  # 8N1: a start bit, 8 data bits, a stop bit
 DEFAULT_POLL_S = 0.02  # how long one read may block on a port that cannot be waited on with select
 _READ_CHUNK_BYTES = 65536
 
@@ -144,12 +149,18 @@ class _Endpoint:
 
     def __init__(self, port, *, ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
                  max_retries: int | None = None, name: str | None = None,
-                 poll_s: float = DEFAULT_POLL_S, fragment_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+                 poll_s: float = DEFAULT_POLL_S, fragment_bytes: int = MAX_PAYLOAD_BYTES,
+                 line_bytes_per_s: float | None = None) -> None:
         """``max_retries`` resends of a frame before LinkTimeoutError; by default DEFAULT_MAX_RETRIES, or as many
         as DEFAULT_GIVE_UP_S takes at ``ack_timeout_s``. ``fragment_bytes``: the most payload bytes one DATA frame
-        this end sends carries (a public attribute: it may change between messages)."""
+        this end sends carries (a public attribute: it may change between messages). ``line_bytes_per_s``: how fast
+        the line moves bytes (None: instantly), which lengthens the wait of a large frame (ack_wait_s)."""
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s must be positive, not {ack_timeout_s}")
+        if line_bytes_per_s is not None and not (isinstance(line_bytes_per_s, (int, float))
+                                                 and 0 < line_bytes_per_s < math.inf):
+            raise ValueError(f"line_bytes_per_s must be a positive number or None, not {line_bytes_per_s!r}")
+        self.line_bytes_per_s = line_bytes_per_s
         if max_retries is None:
             max_retries = max(DEFAULT_MAX_RETRIES, math.ceil(DEFAULT_GIVE_UP_S / ack_timeout_s))
         if max_retries < 0:
@@ -174,6 +185,8 @@ class _Endpoint:
         self._fast_resend = False  # whether the DATA awaiting its ACK may be sent again before its timeout
         self._resend_now = False  # a damaged frame or a repeated ACK says the peer did not get it
         self._took_data = False  # a DATA (not the hello) was taken in sequence in this session
+        self._last_copies = 1  # the last DATA acknowledged: 1 + its resends on a timeout (each may draw an ACK)
+        self._copy_acks_due = 0  # while a DATA waits: repeated ACKs of the previous seq that answer its copies
         self._closed = False
         self._counts = dict.fromkeys(
             ("frames_sent", "frames_retransmitted", "bytes_written", "bytes_read", "payload_bytes_sent",
@@ -252,6 +265,14 @@ class _Endpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def ack_wait_s(self, frame_bytes: int) -> float:
+        """How long a frame of ``frame_bytes`` (on the wire) waits for its ACK before it goes again: ack_timeout_s,
+        or on a line of known speed at least LOOPBACK_ACK_FLOOR_S plus twice its time on the line, so that a 4 KB
+        frame on a slow line is not sent again while its first copy is still crossing."""
+        if self.line_bytes_per_s is None:
+            return self.ack_timeout_s
+        return max(self.ack_timeout_s, LOOPBACK_ACK_FLOOR_S + 2 * frame_bytes / self.line_bytes_per_s)
+
     # -- the ARQ ----------------------------------------------------------------------------------------------
 
     def _check_ready(self) -> None:
@@ -280,16 +301,23 @@ class _Endpoint:
     def _transmit(self, frame: bytes, seq: int, *, what: str | None = None, fast: bool = True) -> None:
         """Write ``frame`` until ACK(seq) arrives, processing everything else that comes in meanwhile.
 
-        It goes again after each ack_timeout_s and, when ``fast``, as soon as the peer shows it did not get it;
-        LinkTimeoutError after max_retries timeouts (or max_retries such early resends)."""
+        It goes again after each ack_wait_s and, when ``fast``, as soon as the peer shows it did not get it (a
+        damaged frame; a repeated ACK of the previous seq beyond the ones that answer the copies of that frame
+        sent on a timeout before its ACK came); LinkTimeoutError after max_retries timeouts (or max_retries such early resends)."""
         started = time.monotonic()
+        # a repeated ACK of the previous seq means "not received" only if the previous frame went once: after a
+        # resend of it, the peer's ACK of that second copy arrives here too and would set off a resend cascade
         self._awaiting, self._acked, self._fast_resend = seq, False, fast
+        # a copy of the previous frame sent on a timeout (not on damage seen) most likely arrives whole and
+        # draws an ACK of its own: that many repeats of its ACK answer copies, not a loss of this frame
+        self._copy_acks_due = self._last_copies - 1
+        wait_s = self.ack_wait_s(len(frame))
         timeouts = early = 0
         try:
             while True:
                 self._resend_now = False
                 self._write(frame)
-                deadline = time.monotonic() + self.ack_timeout_s
+                deadline = time.monotonic() + wait_s
                 while not self._acked and not self._resend_now:
                     remaining_s = deadline - time.monotonic()
                     if remaining_s <= 0:
@@ -297,6 +325,7 @@ class _Endpoint:
                     self._pump(remaining_s)
                     self._after_pump()
                 if self._acked:
+                    self._last_copies = 1 + timeouts
                     return
                 if self._resend_now:
                     early += 1
@@ -347,8 +376,12 @@ class _Endpoint:
         if frame.kind == KIND_ACK:
             if self._awaiting is not None and frame.seq == self._awaiting:
                 self._acked = True
-            elif self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO and self._fast_resend:
+            elif (self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO
+                  and self._fast_resend and self._copy_acks_due <= 0):
                 self._resend_now = True  # the peer repeats its last ACK: our DATA did not arrive whole
+            elif self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO:
+                self._copy_acks_due -= 1  # the ACK of a copy of the previous frame
+                self._counts["frames_ignored"] += 1
             else:
                 self._counts["frames_ignored"] += 1  # a second ACK for a resend, or a stale one
             return
@@ -437,6 +470,9 @@ class Link(_Endpoint):
                                   "the emulator is listening on that port") from error
         if url.startswith("socket://"):
             _no_delay(port)
+            options.setdefault("line_bytes_per_s", LOOPBACK_BYTES_PER_S)
+        elif not url.startswith("loop://"):
+            options.setdefault("line_bytes_per_s", baudrate / UART_BITS_PER_BYTE)
         return cls(port, name=url, **options)
 
     def open(self, hello_payload: bytes, *, timeout_s: float = 10.0) -> bytes:

@@ -652,3 +652,91 @@ def test_multi_kb_messages_cross_1_and_2_percent_corrupted_bytes_in_fragments(pe
     assert up.crc_errors > 0 and down.crc_errors > 0
     assert up.reassembly_overflows == down.reassembly_overflows == 0
     assert proxy.bytes_corrupted > 0 and proxy.bytes_dropped > 0
+
+
+# ------------------------------------------------------------------------------------------------ a slow line
+class _SlowLine:
+    """Relays a loopback TCP connection at ``bytes_per_s`` each way, as QEMU's UART drains the host's socket: what
+    the far end has not read yet waits in the socket buffers."""
+
+    def __init__(self, target_port: int, bytes_per_s: float) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.target_port, self.bytes_per_s = self.listener.getsockname()[1], target_port, bytes_per_s
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.target_port))
+        self.sockets += [client, server]
+        for source, sink in ((client, server), (server, client)):
+            threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket) -> None:
+        chunk = 256
+        with contextlib.suppress(OSError):
+            while data := source.recv(chunk):
+                time.sleep(len(data) / self.bytes_per_s)
+                sink.sendall(data)
+
+    def close(self) -> None:
+        for sock in [self.listener, *self.sockets]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_4_kb_frames_on_a_line_slower_than_the_ack_timeout_are_sent_once():
+    """A 4 KB frame takes 0.34 s to cross a 12 KB/s line, longer than the 0.3 s ACK timeout: the host waits for its
+    ACK for twice the frame's time on the line (socket:// assumes LOOPBACK_BYTES_PER_S) instead of queueing a
+    second copy behind the first. Without that, each spurious resend drew a second ACK that the next frame took
+    for "not received", and the line filled with copies until the board gave up (a QEMU board under load)."""
+    payloads = [bytes([n]) * MAX_PAYLOAD_BYTES for n in range(6)]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        line = _SlowLine(listener.getsockname()[1], bytes_per_s=12_000)
+        host = Link.connect(f"socket://127.0.0.1:{line.port}")
+        conn, _ = listener.accept()
+        board = BoardLink(SocketPort(conn))  # answers at once: its small replies need no longer wait
+        received: list[bytes] = []
+
+        def serve() -> None:
+            with contextlib.suppress(LinkError):
+                while len(received) < len(payloads):
+                    message = board.receive(30)
+                    if not board.received_hello:
+                        received.append(message)
+                    board.send(b"ok")
+
+        with host, board, ThreadPoolExecutor(max_workers=1) as pool:
+            served = pool.submit(serve)
+            try:
+                assert host.open(b"hello") == b"ok"
+                for payload in payloads:
+                    host.send(payload)
+                    assert host.receive(30) == b"ok"
+                served.result(timeout=30)
+            finally:
+                line.close()
+    assert received == payloads
+    assert host.counters.frames_retransmitted == 0, host.counters
+    assert board.counters.duplicates_received == 0, board.counters
+
+
+def test_a_second_ack_of_a_resent_frame_does_not_resend_the_next_at_once(pool, host_and_raw_board):
+    """The board ACKs each copy of a frame the host sent twice; the second ACK arrives while the host waits for the
+    next frame's: it answers the copy, not "the next did not arrive", so the next frame waits for its timeout."""
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    sent = pool.submit(host.send, b"first")
+    assert board.next_frame() == Frame(KIND_DATA, 1, SESSION, b"first")
+    assert board.next_frame(timeout_s=1) == Frame(KIND_DATA, 1, SESSION, b"first")  # the timeout's resend
+    board.send(KIND_ACK, 1, SESSION)
+    sent.result(timeout=5)
+    host.ack_timeout_s = 5.0  # a resend within the test's time would be a fast one
+    sent = pool.submit(host.send, b"second")
+    assert board.next_frame() == Frame(KIND_DATA, 2, SESSION, b"second")
+    board.send(KIND_ACK, 1, SESSION)  # the ACK of the second copy of seq 1
+    assert board.silent_for(0.3), "the host sent seq 2 again on the ACK of a copy of seq 1"
+    board.send(KIND_ACK, 2, SESSION)
+    sent.result(timeout=5)
+    assert host.counters.fast_retransmissions == 0
