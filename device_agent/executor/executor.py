@@ -25,6 +25,7 @@ import torch
 
 from device_agent.executor.allocator import malloc_trim
 from device_agent.executor.errors import BudgetExceededError, ExecutorError, InvalidScheduleError, MissingTensorError
+from device_agent.executor.node_functions import NodeCaptureError, NodeFunctions, capture_node_functions
 from device_agent.executor.page_store import (
     FlashPageStore,
     PageStoreError,
@@ -63,6 +64,16 @@ class _GraphRecord:
     root_meta: dict[str, tuple[torch.Size, torch.dtype]]
     leaves: dict[str, torch.Tensor]  # grad input value -> hollow leaf whose gradient the bwd node produces
     pinned_bytes: int = 0  # internals the graph holds itself (NodeProgram.pinned_internals)
+
+
+@dataclass
+class _SavedRecord:
+    """A fwd/loss node run through its forward function: the tensors its backward function reads."""
+
+    saved: list[_Saved]  # in the backward's order; each held here (fixed, pinned) or found in an entry
+    output_meta: list[tuple[torch.Size, torch.dtype]]  # of its outputs, for gradients nobody sends
+    input_meta: dict[str, tuple[torch.Size, torch.dtype]]  # of the inputs it sends gradients to
+    pinned_bytes: int = 0
 
 
 _ZERO_BY_DTYPE: dict[torch.dtype, torch.Tensor] = {}
@@ -151,6 +162,7 @@ class ScheduleExecutor:
         drop_page_cache: bool = True,
         return_freed_memory: bool = False,
         instrumented: bool = False,
+        node_functions: bool = False,
         log: Callable[[str], None] | None = None,
     ):
         self.partition = partition
@@ -180,7 +192,15 @@ class ScheduleExecutor:
         self._trim = malloc_trim() if return_freed_memory else None
         self.step_index = 0
         self.totals = Counters()
-        self._records: dict[int, _GraphRecord] = {}
+        self._records: dict[int, _GraphRecord | _SavedRecord] = {}
+        # node_functions=True: fwd/loss nodes run as forward and backward functions without autograd, captured
+        # at their first compute (node_functions.py); a node whose program AOTAutograd cannot split exactly
+        # runs under autograd instead (listed in autograd_nodes). Off by default until the host's trace prices
+        # the tensors these functions save (they may save less than autograd: hf_bert 1.34 MB instead of 1.65)
+        self.node_functions = node_functions
+        self._functions: dict[int, NodeFunctions | None] = {}
+        self.autograd_nodes: dict[int, str] = {}  # node -> why it runs under autograd
+        self._log = log
         self.pinned_bytes = 0  # pinned internals held by live graphs (fixed bytes, outside the schedule)
         self.peak_pinned_bytes = 0
         self._buffers = unique_by_identity(b for p in partition.programs.values() for b in p.buffers)
@@ -374,6 +394,12 @@ class ScheduleExecutor:
             for name, tensor in zip(partition.batch_values, state.inputs, strict=True):
                 builder.add_named(name, tensor)
             return self.ram.put(builder.build())
+        if self.node_functions and program.bwd_index is not None:
+            functions = self._functions.get(op.node, False)
+            if functions is False:
+                functions = self._capture(program, state)
+            if functions is not None:
+                return self._forward_functions(op, state, program, functions)
         fed: list[torch.Tensor] = []
         leaves: dict[str, torch.Tensor] = {}
         input_keys: dict[StorageKey, tuple[int, int]] = {}
@@ -478,6 +504,8 @@ class ScheduleExecutor:
         if record is None:
             raise ExecutorError(f"{node.name!r}: the autograd graph of {program.name!r} is not available")
         state.counters.backward_runs += 1
+        if isinstance(record, _SavedRecord):
+            return self._backward_functions(op, state, program, record)
         roots: list[torch.autograd.graph.GradientEdge] = []
         grads: list[torch.Tensor] = []
         for name, edge in record.roots.items():
@@ -531,6 +559,160 @@ class ScheduleExecutor:
                 if grad is not None:
                     _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
         return self.ram.put(builder.build())
+
+    # ------------------------------------------------------------------ forward and backward functions
+    def _fed(self, program, state: _Step) -> tuple[list[torch.Tensor], dict[StorageKey, tuple[int, int]]]:
+        """The tensors ``program`` reads, in its order, and where each input storage lives (producer, storage)."""
+        partition = self.partition
+        fed: list[torch.Tensor] = []
+        input_keys: dict[StorageKey, tuple[int, int]] = {}
+        for value in program.input_values:
+            if value == partition.label_value:
+                fed.append(state.labels)
+                continue
+            producer = partition.value_producer[value]
+            entry = self.ram.find(producer)
+            if entry is None:
+                raise InvalidScheduleError(
+                    f"computing {program.name!r} needs {partition.nodes[producer].name!r} in RAM, but it is not there"
+                )
+            tensor = entry.tensor(value)
+            key = storage_key(tensor)
+            if key is not None:
+                input_keys[key] = (producer, entry.views[value].storage_index)
+            fed.append(tensor)
+        return fed, input_keys
+
+    def _capture(self, program, state: _Step) -> NodeFunctions | None:
+        fed, _ = self._fed(program, state)
+        try:
+            functions = capture_node_functions(program, fed)
+        except NodeCaptureError as error:
+            functions = None
+            self.autograd_nodes[program.index] = str(error)
+            if self._log is not None:
+                self._log(f"{error}; it runs under autograd (slower, as exact)")
+        self._functions[program.index] = functions
+        return functions
+
+    def _forward_functions(self, op: PlannedOp, state: _Step, program, functions: NodeFunctions) -> int:
+        fed, input_keys = self._fed(program, state)
+        restore_rng = None
+        if program.random:
+            if op.recompute:
+                restore_rng = torch.get_rng_state()
+                torch.set_rng_state(state.rng_states[op.node])
+            else:
+                state.rng_states[op.node] = torch.get_rng_state()
+        try:
+            with torch.no_grad():
+                results = functions.forward(*functions.arguments, *fed)
+        finally:
+            if restore_rng is not None:
+                torch.set_rng_state(restore_rng)
+        grad_inputs = program.grad_input_values
+        count = functions.output_count
+        outputs = results[:count]
+        if functions.buffers and not op.recompute:  # statistics move once per step, as in eager training
+            with torch.no_grad():
+                for buffer, value in zip(functions.buffers, results[count:count + len(functions.buffers)],
+                                         strict=True):
+                    buffer.copy_(value)
+        partition = self.partition
+        builder = EntryBuilder(op.node)
+        output_keys: set[StorageKey] = set()
+        for name, output in zip(program.output_values, outputs, strict=True):
+            builder.add_named(name, output)
+            output_keys.add(storage_key(output))
+            if name == partition.loss_value and not op.recompute:
+                state.loss = float(output)
+        if op.graph and functions.backward is not None:
+            packer = _Packer(op.node, input_keys, state.fixed_keys)
+            saved = [packer.pack(t) for t in results[count + len(functions.buffers):]]
+            pending = packer.pending
+            pinned_bytes = 0
+            if pending and program.pinned_internals:
+                pinned_keys: set[StorageKey] = set()
+                for item in pending:  # internals stay with the record (fixed bytes); saved outputs join the entry
+                    key = storage_key(item.tensor)
+                    if key is not None and key not in output_keys:
+                        item.node = None
+                        if key not in pinned_keys:
+                            pinned_keys.add(key)
+                            pinned_bytes += key[1]
+                pending = [item for item in pending if item.node is not None]
+            for item in pending:  # tensors the backward reads: they belong to this node's entry
+                item.view = builder.add(item.tensor)
+                item.tensor = None
+            input_meta = {name: (x.shape, x.dtype) for name, x in zip(program.input_values, fed, strict=True)
+                          if name in grad_inputs}
+            self._records[op.node] = _SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
+                                                  pinned_bytes)
+            self._pin(pinned_bytes)
+        del results, outputs, fed
+        return self.ram.put(builder.build())
+
+    def _backward_functions(self, op: PlannedOp, state: _Step, program, record: _SavedRecord) -> int:
+        partition = self.partition
+        functions = self._functions[program.index]
+        grads: list[torch.Tensor] = []
+        for position in functions.differentiable_outputs:
+            name = program.output_values[position]
+            shape, dtype = record.output_meta[position]
+            if name == partition.loss_value:
+                total = torch.ones(shape, dtype=dtype)
+                if state.loss_divisor != 1:  # autograd's DivBackward of (loss / micro_batches): the same op
+                    total = total / state.loss_divisor
+            else:
+                total = None
+                for consumer in partition.grad_senders.get(name, ()):
+                    consumer_bwd = partition.programs[consumer].bwd_index
+                    entry = self.ram.find(consumer_bwd)
+                    if entry is None:
+                        raise MissingTensorError(
+                            f"{partition.nodes[op.node].name!r} needs the gradient of {name!r} from "
+                            f"{partition.nodes[consumer_bwd].name!r}, which is not in RAM"
+                        )
+                    grad = entry.tensor(name)
+                    total = grad if total is None else total + grad
+                if total is None:  # no consumer sends one: autograd would leave this output out
+                    total = torch.zeros(shape, dtype=dtype)
+            grads.append(total)
+        saved = [self._read_saved(item, state, program.name) for item in record.saved]
+        with torch.no_grad():
+            results = functions.backward(*saved, *grads)
+        del saved, grads
+        if not op.retain:
+            self._drop_record(program.index)
+        offset = len(functions.arguments)
+        by_input = dict(zip(program.input_values, results[offset:], strict=True))
+        builder = EntryBuilder(op.node)
+        for name in program.grad_input_values:
+            grad = by_input.get(name)
+            if grad is None:  # the outputs do not depend on it
+                shape, dtype = record.input_meta[name]
+                grad = torch.zeros(shape, dtype=dtype)
+            builder.add_named(name, grad)
+        if op.accumulate:
+            param_grads = results[:len(functions.params)]
+            taken = Counter(k for g in results if g is not None and (k := storage_key(g)) is not None)
+            for param, grad in zip(functions.params, param_grads, strict=True):
+                if grad is not None:
+                    _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
+        return self.ram.put(builder.build())
+
+    def _read_saved(self, saved: _Saved, state: _Step, reader: str) -> torch.Tensor:
+        if saved.node is None:
+            return saved.tensor
+        entry = self.ram.find(saved.node)
+        if entry is None:
+            raise MissingTensorError(
+                f"the backward of {reader!r} needs a tensor held by {self.partition.nodes[saved.node].name!r}, "
+                "which the schedule "
+                "does not hold in RAM at this point; the executor does not recompute it behind the schedule's back"
+            )
+        state.counters.saved_tensor_reads += 1
+        return entry.view_tensor(saved.view)
 
     def _pin(self, nbytes: int) -> None:
         self.pinned_bytes += nbytes

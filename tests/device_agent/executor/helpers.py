@@ -96,12 +96,13 @@ def param_diff(module_a: torch.nn.Module, module_b: torch.nn.Module) -> tuple[fl
 
 
 def run_scheduled(current: Case, schedule, *, steps: int, optimizer: str, flash_dir, partition=None,
-                  events: EventStream | None = None, seed: int = 1):
+                  events: EventStream | None = None, seed: int = 1, **options):
     current.reset()
     opt = make_optimizer(optimizer, current.bundle.module)
     torch.manual_seed(seed)
     results = []
-    with ScheduleExecutor(partition or current.partition, schedule, flash_dir=str(flash_dir), events=events) as ex:
+    with ScheduleExecutor(partition or current.partition, schedule, flash_dir=str(flash_dir), events=events,
+                          **options) as ex:
         for _ in range(steps):
             results.append(ex.train_step(current.bundle.inputs, current.bundle.labels, opt))
     return results
