@@ -129,17 +129,20 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
     spec = get_model_spec(model)
-    scheduled, plain, floor = (spec.bundle(batch_size, seed=0) for _ in range(3))
+    scheduled, plain, floor, functions = (spec.bundle(batch_size, seed=0) for _ in range(4))
     traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
     priced = price_graph(traced.graph, load_profile("a72"))
     schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
-    sgd_a, sgd_b, sgd_c = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
-                           for b in (scheduled, plain, floor))
+    sgd_a, sgd_b, sgd_c, sgd_d = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
+                                  for b in (scheduled, plain, floor, functions))
     floor_partition = partition_from_traced(trace_model(floor, granularity=granularity, block_depth=depth))
-    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": []}
-    with ScheduleExecutor(partition_from_traced(traced), schedule) as executor:
+    functions_partition = partition_from_traced(trace_model(functions, granularity=granularity, block_depth=depth))
+    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": [], "functions": []}
+    with ScheduleExecutor(partition_from_traced(traced), schedule) as executor, \
+            ScheduleExecutor(functions_partition, schedule, node_functions=True) as functions_executor:
         runs = {
             "schedule": lambda: executor.train_step(scheduled.inputs, scheduled.labels, sgd_a),
+            "functions": lambda: functions_executor.train_step(functions.inputs, functions.labels, sgd_d),
             "plain": lambda: plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b),
             "floor": lambda: _per_node_autograd_step(floor_partition, floor.inputs, floor.labels, sgd_c),
         }
@@ -151,6 +154,7 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
                     times_s[name].append(time.perf_counter() - started)
     paired = sorted(a / b for a, b in zip(times_s["schedule"], times_s["plain"], strict=True))
     floor_paired = sorted(a / b for a, b in zip(times_s["floor"], times_s["plain"], strict=True))
+    functions_paired = sorted(a / b for a, b in zip(times_s["functions"], times_s["plain"], strict=True))
     return {
         "granularity": granularity if granularity == "layer" else f"block:{depth}",
         "nodes": traced.graph.size,
@@ -161,6 +165,9 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
         "ratio_q1": paired[len(paired) // 4],
         "ratio_q3": paired[(3 * len(paired)) // 4],
         "floor_ratio": statistics.median(floor_paired),
+        "functions_s": statistics.median(times_s["functions"]),
+        "functions_ratio": statistics.median(functions_paired),
+        "autograd_nodes": len(functions_executor.autograd_nodes),
     }
 
 
@@ -695,21 +702,27 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
     print(f"\n## 1. {model}: no memory pressure: keep-all schedule against plain PyTorch, batch {batch_size} "
           f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
           "ratio: median of the per-step ratios, with its quartiles; floor: the same nodes run one by one with "
-          "one autograd call each, without the executor's store, hooks and telemetry)\n", file=log)
+          "one autograd call each, without the executor's store, hooks and telemetry; functions: the executor "
+          "with node_functions=True, nodes as forward and backward functions without autograd, 'autograd' of "
+          "them running under autograd instead)\n", file=log)
     print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
-          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12}", file=log)
+          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12} {'functions':>10} "
+          f"{'autograd':>8}", file=log)
     rows = []
     for allocator in ("glibc default", "glibc keeps freed memory"):
         config = {"model": model, "batch_size": batch_size, "steps": args.overhead_steps, "threads": args.threads}
         for row in _spawn(config, mode="--run-overhead", allocator=allocator):
             print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
                   f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
-                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f}", file=log, flush=True)
+                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f} "
+                  f"{row['functions_ratio']:>10.3f} {row['autograd_nodes']:>8}", file=log, flush=True)
             rows.append({"model": model, "batch_size": batch_size, "allocator": allocator,
                          "granularity": row["granularity"], "nodes": row["nodes"],
                          "instructions": row["instructions"], "plain_s_per_step": row["plain_s"],
                          "poet_s_per_step": row["schedule_s"], "ratio": row["ratio"], "ratio_q1": row["ratio_q1"],
-                         "ratio_q3": row["ratio_q3"], "floor_ratio": row["floor_ratio"]})
+                         "ratio_q3": row["ratio_q3"], "floor_ratio": row["floor_ratio"],
+                         "node_functions_s_per_step": row["functions_s"], "node_functions_ratio": row["functions_ratio"],
+                         "node_functions_autograd_nodes": row["autograd_nodes"]})
     return rows
 
 

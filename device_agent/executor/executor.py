@@ -677,6 +677,9 @@ class ScheduleExecutor:
                     total = grad if total is None else total + grad
                 if total is None:  # no consumer sends one: autograd would leave this output out
                     total = torch.zeros(shape, dtype=dtype)
+            stride = functions.gradient_strides[len(grads)]
+            if total.stride() != stride:  # the backward's views assume the layout it was traced with
+                total = torch.empty_strided(shape, stride, dtype=dtype).copy_(total)
             grads.append(total)
         saved = [self._read_saved(item, state, program.name) for item in record.saved]
         with torch.no_grad():

@@ -47,6 +47,7 @@ class NodeFunctions:
     output_count: int
     differentiable_outputs: tuple[int, ...]  # output positions whose gradient the backward takes, in order
     saved_count: int
+    gradient_strides: tuple[tuple[int, ...], ...] = ()  # the layout the backward was traced with, per gradient
 
     @property
     def arguments(self) -> tuple[torch.Tensor, ...]:
@@ -128,8 +129,12 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor])
             raise NodeCaptureError(
                 f"{program.name!r}: the forward returns {returned} values but the backward reads {expected} saved "
                 f"tensors besides {len(differentiable)} gradients (an input mutation AOTAutograd kept outside?)")
+    strides = ()
+    if backward is not None:
+        placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"][saved_count:]
+        strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
-                         saved_count if backward is not None else 0)
+                         saved_count if backward is not None else 0, strides)
 
 
 def _lift_attributes(module: GraphModule) -> tuple[GraphModule, list[str]]:
