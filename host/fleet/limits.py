@@ -14,3 +14,10 @@ DEFAULT_STATE_DIR = "poet-state"
 CALIBRATION_MODELS = ("mlp", "resnet18_cifar")  # `poet calibrate` default models
 CALIBRATION_STEPS = 20  # steps per calibration run: 10 fitted, 9 held out after the warm-up step
 CALIBRATION_BATCH_SIZE = 8
+# What a board may send (host/fleet/validation.py): larger or odder values are refused at the door
+MAX_FACT_BYTES = 1 << 50  # a byte count a board reports (RAM, flash, limits): 1 PiB
+MAX_CPU_COUNT = 4096
+MAX_FACT_CHARS = 256  # platform, torch and agent versions, board, each meter name
+MAX_METERS = 16
+MAX_ERROR_CHARS = 4096  # a result's error line; longer ones are cut, saying how much was cut
+MAX_EVENTS_PER_RUN = 1 << 40  # a result's events_emitted

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ from host.fleet.store import (
     UnknownAgentError,
     UnknownRunError,
 )
+from host.fleet.validation import BoardInputError, bounded_error, check_facts, check_result, first_non_finite
 
 fleet_pb2 = serde.fleet_pb2
 fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
@@ -429,7 +431,24 @@ class Coordinator:
             run = self.store.get_run(run.run_id)
             if run.status in TERMINAL_STATUSES:
                 return  # a resend after a reconnect: the first report stands
+            if run.status != "running":
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"run {run.run_id!r} is {run.status}, not running: report only jobs PullJob handed you")
+            spec = self.spec(run.job_id)
+            try:
+                check_result(result, steps=int(spec.get("steps") or 0), collect=spec.get("collect", "none"))
+            except BoardInputError as error:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the result of run {run.run_id!r}: {error}") from None
             update = serde.result_update(result)
+            update["detail"] = bounded_error(update["detail"]) if update["detail"] else None
+            diverged = first_non_finite(result.loss_per_step)
+            if diverged is not None:  # stored as null (the JSON stays strict) and the run failed, saying where
+                losses = [v if math.isfinite(v) else None for v in result.loss_per_step]
+                update["metrics"].update(loss_per_step=losses, final_loss=losses[-1])
+                update["status"] = "failed"
+                update["detail"] = (f"the loss is {result.loss_per_step[diverged]} from step {diverged + 1} (it "
+                                    f"diverged); lower the learning rate" + (f"; the board said: {update['detail']}"
+                                                                            if update["detail"] else ""))
             if result.HasField("weights") and result.weights.safetensors:
                 update["metrics"]["weights_path"] = self._save_weights(run.run_id, result.weights)
             if run.kind == "profile" and update["status"] == "done":
@@ -542,7 +561,11 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
     @_handler(NODE)
     def Register(self, request, context, name):
         c = self.coordinator
-        c.store.register_agent(name, request.platform or "local", serde.facts_from_register(request))
+        try:
+            facts = check_facts(serde.facts_from_register(request))
+        except BoardInputError as error:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the facts of node {name!r}: {error}") from None
+        c.store.register_agent(name, request.platform or "local", facts)
         log.info("agent %s registered (%s)", name, request.platform)
         c.notify_work()
         return fleet_pb2.RegisterReply(agent_name=name, protocol_version=fleet_pb2.PROTOCOL_VERSION_1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -54,10 +55,10 @@ def register(cert_dir, port, name, **overrides):
 
 
 def submit(cert_dir, port, *, agents=(), all_agents=False, budget=None, kind=fleet_pb2.JOB_KIND_TRAIN, steps=3,
-           **fields):
+           collect=fleet_pb2.COLLECT_NONE, **fields):
     request = fleet_pb2.SubmitRunRequest(model=MODEL, dataset="digits", steps=steps, agents=list(agents),
                                          all_agents=all_agents, kind=kind, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
-                                         collect=fleet_pb2.COLLECT_NONE, seed=0,
+                                         collect=collect, seed=0,
                                          ram_budget=budget or fleet_pb2.RamBudget(fraction_of_peak=1.0), **fields)
     return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
 
@@ -249,9 +250,9 @@ def test_telemetry_is_acknowledged_through_the_contiguous_prefix_and_duplicates_
 
 def test_report_result_is_idempotent_and_stores_collected_weights(cert_dir, coordinator):
     stub = register(cert_dir, coordinator.port, "pi-1")
-    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_WEIGHTS)[0]
     job = _pull(stub)
-    weights = b"not really safetensors, just bytes"
+    weights = _safetensors()
     result = fleet_pb2.RunResult(
         job_id=job.job_id, run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, loss_per_step=[2.0, 1.5, 1.25],
         accuracy_before=0.1, accuracy_after=0.6, param_digest="ab" * 32, events_emitted=42,
@@ -275,12 +276,95 @@ def test_report_result_is_idempotent_and_stores_collected_weights(cert_dir, coor
 
 def test_bad_weights_digest_is_refused_and_nothing_written(cert_dir, coordinator):
     stub = register(cert_dir, coordinator.port, "pi-1")
-    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_WEIGHTS)[0]
+    _pull(stub)
     result = fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE,
-                                 weights=fleet_pb2.WeightsRef(digest="0" * 64, safetensors=b"abc"))
+                                 weights=fleet_pb2.WeightsRef(digest="0" * 64, safetensors=_safetensors()))
     assert refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S)).code() == grpc.StatusCode.DATA_LOSS
     assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
-    assert coordinator.store.get_run(run.run_id).status == "queued"
+    assert coordinator.store.get_run(run.run_id).status == "running"
+
+
+def _safetensors() -> bytes:
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)})
+
+
+# ------------------------------------------------------------------------------------------ what a board sends
+@pytest.mark.parametrize("field,value,message", [
+    ("memory_limit_bytes", (1 << 64) - 1, r"memory_limit_bytes = 18446744073709551615 is over \d+ bytes \(1 PiB\)"),
+    ("cpu_count", 1 << 20, r"cpu_count = 1048576 is over 4096"),
+    ("ram_available_bytes", 8192 * MIB, r"ram_available_bytes = \d+ is more than ram_total_bytes"),
+    ("torch_version", "2" * (5 * MIB), r"torch_version is 5242880 characters long; at most 256"),
+    ("board", "pi\x1b[2J", r"board contains control characters"),
+    ("meters", ["modelled"] * 17, r"17 meters reported; at most 16"),
+])
+def test_out_of_range_facts_are_refused_at_register_and_nothing_stored(cert_dir, coordinator, field, value, message):
+    stub = node(cert_dir, "pi-1", coordinator.port)
+    error = refused(lambda: stub.Register(facts(**{field: value}), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.details()), error.details()
+    assert "node 'pi-1'" in error.details()
+    assert coordinator.store.list_agents() == []
+    register(cert_dir, coordinator.port, "pi-1")  # the same board with sane facts is welcome
+    assert [a.name for a in coordinator.store.list_agents()] == ["pi-1"]
+
+
+def _result(run, **fields):
+    return fleet_pb2.RunResult(run_id=run.run_id, status=fleet_pb2.RUN_STATUS_DONE, **fields)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(loss_per_step=[1.0] * 6), r"loss_per_step has 6 losses for a job of 3 steps"),
+    (dict(events_emitted=(1 << 64) - 1), r"events_emitted = 18446744073709551615 is over"),
+    (dict(accuracy_after=1.5), r"accuracy_after = 1.5 is outside \[0, 1\]"),
+    (dict(measured=fleet_pb2.StepFigures(step_s=float("nan"))), r"measured figures must be finite"),
+    (dict(param_digest="xyz"), r"param_digest is not a sha256"),
+    (dict(weights=fleet_pb2.WeightsRef(digest="ab" * 32, safetensors=b"7" * 100)),
+     r"the job collects no weights \(collect none\), but the result carries 100 bytes"),
+])
+def test_a_result_is_checked_against_its_job_before_anything_is_stored(cert_dir, coordinator, fields, message):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    _pull(stub)
+    error = refused(lambda: stub.ReportResult(_result(run, **fields), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.details()), error.details()
+    assert coordinator.store.get_run(run.run_id).status == "running"
+    assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+
+
+def test_weights_that_are_not_safetensors_are_refused_and_a_result_needs_a_pulled_job(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_WEIGHTS)[0]
+    garbage = b"garbage not safetensors"
+    result = _result(run, weights=fleet_pb2.WeightsRef(digest=hashlib.sha256(garbage).hexdigest(),
+                                                       safetensors=garbage))
+    error = refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S))  # never handed out
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is queued, not running" in error.details()
+    _pull(stub)
+    error = refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a safetensors file" in error.details()
+    empty_digest = _result(run, weights=fleet_pb2.WeightsRef(safetensors=_safetensors()))
+    error = refused(lambda: stub.ReportResult(empty_digest, timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "weights.digest must be the sha256" in error.details()
+    assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+
+
+def test_a_diverged_loss_fails_the_run_and_its_json_stays_strict(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    _pull(stub)
+    stub.ReportResult(_result(run, loss_per_step=[2.0, float("nan"), float("inf")], error="x" * (5 * MIB)),
+                      timeout=TIMEOUT_S)
+    stored = coordinator.store.get_run(run.run_id)
+    assert stored.status == "failed"
+    assert stored.metrics["loss_per_step"] == [2.0, None, None] and stored.metrics["final_loss"] is None
+    assert stored.detail.startswith("the loss is nan from step 2 (it diverged); lower the learning rate")
+    assert len(stored.detail) < 5000 and "more characters cut by the coordinator" in stored.detail
+    json.loads(json.dumps(stored.metrics, allow_nan=False))  # strict JSON: no NaN anywhere
 
 
 def test_a_profile_result_becomes_the_boards_measured_profile(cert_dir, coordinator):
