@@ -21,3 +21,9 @@ MAX_FACT_CHARS = 256  # platform, torch and agent versions, board, each meter na
 MAX_METERS = 16
 MAX_ERROR_CHARS = 4096  # a result's error line; longer ones are cut, saying how much was cut
 MAX_EVENTS_PER_RUN = 1 << 40  # a result's events_emitted
+# What one board may hold open at once (host/fleet/admission.py); over a limit: RESOURCE_EXHAUSTED
+MAX_CALLS_PER_NODE = 8  # all its calls together: one board holds at most an eighth of MAX_WORKERS
+MAX_STREAMS_PER_NODE = 2  # telemetry streams
+MAX_DOWNLOADS_PER_NODE = 2  # model downloads
+STREAM_IDLE_S = 120.0  # a telemetry stream that sends nothing for this long is cancelled
+DOWNLOAD_IDLE_S = 60.0  # a model download whose chunks nobody reads for this long is cancelled

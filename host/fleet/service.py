@@ -34,15 +34,18 @@ import grpc
 
 from device_agent import protos
 from host.fleet import serde
+from host.fleet.admission import CallLimitError, CallSlots, IdleWatch
 from host.fleet.certs import IdentityError, peer_identity
 from host.fleet.limits import (
     AUTO_MARGIN_BYTES,
+    DOWNLOAD_IDLE_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     MAX_PULL_WAIT_S,
     MODEL_CHUNK_BYTES,
     SOLVE_TIME_LIMIT_S,
+    STREAM_IDLE_S,
 )
 from host.fleet.store import (
     TERMINAL_STATUSES,
@@ -102,7 +105,8 @@ class Coordinator:
     def __init__(self, store: RunStore, state_dir: str | Path, *, packager: Callable[..., Any] | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None,
-                 refine_profiles: bool = True):
+                 refine_profiles: bool = True, stream_idle_s: float = STREAM_IDLE_S,
+                 download_idle_s: float = DOWNLOAD_IDLE_S):
         self.store = store
         self.state_dir = Path(state_dir)
         self.models_dir = self.state_dir / MODELS_DIR
@@ -123,6 +127,9 @@ class Coordinator:
         self._local_profile = None
         self._result_lock = threading.Lock()
         self._run_owner: dict[str, str] = {}  # run id -> the board it is assigned to (telemetry checks)
+        self.slots = CallSlots()  # each board's open calls (host/fleet/admission.py)
+        self.stream_idle_s = stream_idle_s
+        self.download_idle_s = download_idle_s
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
         self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
@@ -182,14 +189,18 @@ class Coordinator:
     def pull(self, agent: str, wait_s: float, context) -> Any:
         deadline = time.monotonic() + max(0.0, min(wait_s, MAX_PULL_WAIT_S))
         context.add_callback(self.notify_work)  # a cancelled long poll wakes up and returns
+        replaced = self.slots.new_poll(agent)
+        self.notify_work()  # this board's older poll, if any, sees it was replaced and returns
         while True:
+            if replaced():
+                return None
             with self._work:
                 generation = self._generation
             job = self.next_job(agent)
             if job is not None:
                 return job
             with self._work:
-                while self._generation == generation and context.is_active():
+                while self._generation == generation and context.is_active() and not replaced():
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return None
@@ -535,7 +546,12 @@ def _handler(role: str):
         def handle(self, request, context):
             try:
                 name = self.coordinator.caller(context, role)
-                return method(self, request, context, name)
+                if role != NODE:
+                    return method(self, request, context, name)
+                with self.coordinator.slots.hold(name):
+                    return method(self, request, context, name)
+            except CallLimitError as error:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
             except _Refused as refused:
                 context.abort(refused.code, refused.message)
             except AgentRemovedError as error:
@@ -596,9 +612,10 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
         return fleet_pb2.PullJobReply(job=job)
 
     def FetchModel(self, request, context):
+        c = self.coordinator
         try:
-            name = self.coordinator.caller(context, NODE)
-            path = self.coordinator.model_path(name, request.digest)
+            name = c.caller(context, NODE)
+            path = c.model_path(name, request.digest)
         except _Refused as refused:
             context.abort(refused.code, refused.message)
         total = path.stat().st_size
@@ -606,16 +623,24 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"offset {request.offset_bytes} is past the end of model {request.digest} ({total} bytes); "
                           "fetch from 0")
-        with open(path, "rb") as archive:
-            archive.seek(request.offset_bytes)
-            offset = request.offset_bytes
-            while context.is_active():
-                data = archive.read(MODEL_CHUNK_BYTES)
-                if not data:
-                    return
-                yield fleet_pb2.ModelChunk(offset_bytes=offset, data=data, chunk_sha256=hashlib.sha256(data).hexdigest(),
-                                           total_size_bytes=total)
-                offset += len(data)
+        try:
+            with c.slots.hold(name, "download"), open(path, "rb") as archive:
+                watch = IdleWatch(c.download_idle_s, context.cancel)  # chunks nobody reads free the thread
+                try:
+                    archive.seek(request.offset_bytes)
+                    offset = request.offset_bytes
+                    while context.is_active():
+                        data = archive.read(MODEL_CHUNK_BYTES)
+                        if not data:
+                            return
+                        yield fleet_pb2.ModelChunk(offset_bytes=offset, data=data, total_size_bytes=total,
+                                                   chunk_sha256=hashlib.sha256(data).hexdigest())
+                        watch.progress()
+                        offset += len(data)
+                finally:
+                    watch.stop()
+        except CallLimitError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
     def StreamTelemetry(self, request_iterator, context):
         c = self.coordinator
@@ -623,14 +648,23 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
             name = c.caller(context, NODE)
         except _Refused as refused:
             context.abort(refused.code, refused.message)
-        for batch in request_iterator:
-            try:
-                ack = c.telemetry(name, batch)
-            except _Refused as refused:
-                context.abort(refused.code, refused.message)
-            except StoreError as error:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-            yield ack
+        try:
+            with c.slots.hold(name, "stream"):
+                watch = IdleWatch(c.stream_idle_s, context.cancel)  # a stream that sends nothing frees the thread
+                try:
+                    for batch in request_iterator:
+                        watch.progress()
+                        try:
+                            ack = c.telemetry(name, batch)
+                        except _Refused as refused:
+                            context.abort(refused.code, refused.message)
+                        except StoreError as error:
+                            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+                        yield ack
+                finally:
+                    watch.stop()
+        except CallLimitError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
     @_handler(NODE)
     def ReportResult(self, request, context, name):

@@ -1,0 +1,100 @@
+"""One board with a valid certificate cannot take the coordinator's threads: its long polls replace each other,
+its streams and downloads are capped and cancelled when idle, and the operator is answered at once throughout.
+Real mutual-TLS gRPC on loopback; the hostile board is this test."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from host.fleet.admission import CallLimitError, CallSlots
+from host.fleet.limits import MAX_STREAMS_PER_NODE
+
+from .test_service import admin, fleet_pb2, register, submit
+
+QUICK_S = 5.0  # what "at once" means on a shared 2-core machine
+
+
+def _list_agents_s(cert_dir, port) -> float:
+    started = time.monotonic()
+    admin(cert_dir, port).ListAgents(fleet_pb2.ListAgentsRequest(), timeout=QUICK_S)
+    return time.monotonic() - started
+
+
+def test_seventy_long_polls_of_one_board_leave_the_operator_answered_at_once(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    outcomes: queue.Queue = queue.Queue()
+
+    def poll():
+        started = time.monotonic()
+        try:
+            stub.PullJob(fleet_pb2.PullJobRequest(wait_s=30), timeout=60)
+            outcomes.put(("returned", time.monotonic() - started))
+        except grpc.RpcError as error:
+            outcomes.put((error.code().name, time.monotonic() - started))
+
+    with ThreadPoolExecutor(max_workers=70) as pool:
+        for _ in range(70):
+            pool.submit(poll)
+        time.sleep(2.0)
+        assert _list_agents_s(cert_dir, coordinator.port) < QUICK_S
+        assert coordinator.coordinator.slots.open_calls("pi-1") <= 1  # the newest poll waits; the others left
+        runs = submit(cert_dir, coordinator.port, agents=["pi-1"])  # the waiting poll takes the job at once
+        assert runs
+    results = [outcomes.get() for _ in range(70)]
+    kinds = {kind for kind, _ in results}
+    assert kinds <= {"returned", "RESOURCE_EXHAUSTED"}, results
+    assert max(seconds for _, seconds in results) < 25  # none was held to its 30 s wait
+
+
+def test_idle_telemetry_streams_are_capped_and_cancelled(cert_dir, tmp_path):
+    from host.fleet.server import start_coordinator
+
+    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state", stream_idle_s=1.0)
+    try:
+        stub = register(cert_dir, running.port, "pi-1")
+        never = threading.Event()
+
+        def silent():
+            never.wait()
+            yield from ()
+
+        calls = [stub.StreamTelemetry(silent(), timeout=60) for _ in range(64)]
+        codes = []
+        for call in calls:
+            try:
+                list(call)
+                codes.append("OK")
+            except grpc.RpcError as error:
+                codes.append(error.code().name)
+        never.set()
+        assert codes.count("RESOURCE_EXHAUSTED") >= 64 - MAX_STREAMS_PER_NODE, codes
+        assert codes.count("CANCELLED") <= MAX_STREAMS_PER_NODE, codes  # cancelled by the idle deadline
+        assert _list_agents_s(cert_dir, running.port) < QUICK_S
+        assert running.coordinator.slots.open_calls("pi-1") == 0
+        other = register(cert_dir, running.port, "pi-2")  # other boards were never affected
+        assert other.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=QUICK_S) is not None
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_call_slots_count_per_board_and_kind():
+    slots = CallSlots({"call": 3, "stream": 1, "download": 1})
+    with slots.hold("a", "stream"):
+        with pytest.raises(CallLimitError, match=r"node 'a' already holds 1 open telemetry streams \(the limit"):
+            with slots.hold("a", "stream"):
+                pass
+        with slots.hold("b", "stream"), slots.hold("a", "download"), slots.hold("a"):
+            with pytest.raises(CallLimitError, match=r"holds 3 open calls"):
+                with slots.hold("a"):
+                    pass
+    assert slots.open_calls("a") == slots.open_calls("a", "stream") == 0
+    replaced_first = slots.new_poll("a")
+    assert not replaced_first()
+    slots.new_poll("a")
+    assert replaced_first()
