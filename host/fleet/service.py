@@ -55,7 +55,14 @@ from host.fleet.store import (
     UnknownAgentError,
     UnknownRunError,
 )
-from host.fleet.validation import BoardInputError, bounded_error, check_facts, check_result, first_non_finite
+from host.fleet.validation import (
+    BoardInputError,
+    bounded_error,
+    check_facts,
+    check_result,
+    check_telemetry_batch,
+    first_non_finite,
+)
 
 fleet_pb2 = serde.fleet_pb2
 fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
@@ -494,6 +501,10 @@ class Coordinator:
         return f"{RESULTS_DIR}/{path.name}"
 
     def telemetry(self, agent: str, batch):
+        try:
+            check_telemetry_batch(batch)
+        except BoardInputError as error:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"node {agent!r}: {error}") from None
         run_id = batch.run_id
         if self._run_owner.get(run_id) != agent:  # a run's board never changes: checked once per run
             self._run_owner[run_id] = self.assigned_run(agent, run_id).agent

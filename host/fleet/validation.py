@@ -1,4 +1,4 @@
-"""What a board sends, checked at the door: facts at Register and results at ReportResult.
+"""What a board sends, checked at the door: facts at Register, telemetry batches and results.
 
 A board holds a valid certificate, but what it says is data from outside: every number is range-checked,
 every string bounded, and a result is checked against the job it answers before anything is stored. Each
@@ -16,13 +16,17 @@ from typing import Any
 from host.fleet.limits import (
     MAX_CPU_COUNT,
     MAX_ERROR_CHARS,
+    MAX_EVENT_BYTES,
+    MAX_EVENTS_PER_BATCH,
     MAX_EVENTS_PER_RUN,
     MAX_FACT_BYTES,
     MAX_FACT_CHARS,
     MAX_METERS,
+    MAX_SEQ,
 )
 
-__all__ = ["BoardInputError", "bounded_error", "check_facts", "check_result", "first_non_finite"]
+__all__ = ["BoardInputError", "bounded_error", "check_facts", "check_result", "check_telemetry_batch",
+           "first_non_finite"]
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _BYTE_FACTS = ("ram_total_bytes", "ram_available_bytes", "memory_limit_bytes", "flash_capacity_bytes",
@@ -80,6 +84,20 @@ def check_result(result, *, steps: int, collect: str) -> None:
         raise BoardInputError("param_digest is not a sha256 in lower-case hex")
     if result.HasField("weights"):
         _check_weights(result.weights, collect)
+
+
+def check_telemetry_batch(batch) -> None:
+    """A TelemetryBatch: at most MAX_EVENTS_PER_BATCH events, each of at most MAX_EVENT_BYTES, with a seq in
+    1..MAX_SEQ; BoardInputError otherwise (nothing of the batch is stored)."""
+    if len(batch.events) > MAX_EVENTS_PER_BATCH:
+        raise BoardInputError(f"a telemetry batch of {len(batch.events)} events; at most {MAX_EVENTS_PER_BATCH} "
+                              "per batch")
+    for event in batch.events:
+        if not 1 <= event.seq <= MAX_SEQ:
+            raise BoardInputError(f"telemetry seq {event.seq} is outside 1..{MAX_SEQ}")
+        size = event.ByteSize()
+        if size > MAX_EVENT_BYTES:
+            raise BoardInputError(f"telemetry event seq {event.seq} is {size} bytes; at most {MAX_EVENT_BYTES}")
 
 
 def bounded_error(text: str) -> str:

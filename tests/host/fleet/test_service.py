@@ -438,3 +438,19 @@ def test_a_running_run_is_handed_out_again_after_the_coordinator_is_killed(cert_
         assert acks[-1].stored_through_seq == 3 and second.store.events_stored(run.run_id) == 3
     finally:
         second.stop(grace_s=0)
+
+
+@pytest.mark.parametrize("events,message", [
+    (lambda run_id: _events(run_id, [1 << 63]).events, r"telemetry seq 9223372036854775808 is outside 1\.\.9223372036854775807"),
+    (lambda run_id: _events(run_id, range(1, 5002)).events, r"a telemetry batch of 5001 events; at most 5000"),
+    (lambda run_id: [fleet_pb2.TelemetryEvent(seq=1, job_id="x" * (7 * MIB))], r"seq 1 is \d+ bytes; at most 16384"),
+])
+def test_out_of_range_telemetry_is_invalid_argument_and_nothing_stored(cert_dir, coordinator, events, message):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    _pull(stub)
+    batch = fleet_pb2.TelemetryBatch(stream_id="s1", run_id=run.run_id, events=events(run.run_id))
+    error = refused(lambda: list(stub.StreamTelemetry(iter([batch]), timeout=TIMEOUT_S)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.details()), error.details()
+    assert coordinator.store.acked_seq(run.run_id) == 0 and coordinator.store.get_events(run.run_id) == []
