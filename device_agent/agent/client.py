@@ -491,22 +491,25 @@ class Agent:
                             grpc.StatusCode.PERMISSION_DENIED):
                     self.log(f"the coordinator refused the result of run {result.run_id} "
                              f"({describe_rpc_error(exc)}); dropping it")
+                    self._sink.retire(result.run_id)
                     self._results.done(result.run_id)
                     continue
                 raise
+            self._sink.retire(result.run_id)  # first: a crash before done() re-sends the result, and retires again
             self._results.done(result.run_id)
-            self._sink.retire(result.run_id)
             status = fleet_pb2.RunStatus.Name(result.status).removeprefix("RUN_STATUS_")
             self.log(f"reported the result of run {result.run_id} ({status})")
 
     # ------------------------------------------------------------------------------------ state, shutdown
     def _tidy_state(self) -> None:
-        """Retire drained telemetry buffers of runs whose result is already reported (a crash in between)."""
+        """Retire drained telemetry buffers of runs whose result is already reported (a crash in between).
+
+        Only those: the buffer of an unfinished run stays even when every event is acknowledged, so the run
+        resumes numbering after its last seq (a new buffer would number from 1 again, and the coordinator
+        would drop every event at or below what it already stored: the re-run steps' telemetry, silently).
+        """
         pending_results = {r.run_id for r in self._results.pending()}
-        self._sink.pending_runs()  # opens every buffer left on disk; runs with unacknowledged events stay
-        for run in self._sink.open_runs():
-            if run.run_id not in pending_results and not run.buffer.pending_count:
-                self._sink.retire(run.run_id)
+        self._sink.retire_drained()  # opens every buffer left on disk; runs with unacknowledged events stay
         waiting = len(pending_results)
         if waiting:
             self.log(f"{waiting} result(s) from before the restart wait to be reported")

@@ -10,6 +10,11 @@ blocks until acknowledgements free space: training pauses, nothing is dropped.
 ``TelemetryAck`` (highest contiguous sequence stored) to the run's buffer. After a reconnect it
 resends from the acknowledged point; the coordinator drops what it already has. It needs only a
 channel and a sink (no global state), so a benchmark can run a thousand of them in one process.
+
+A run's buffer is deleted only once the run's result was reported (:meth:`TelemetrySink.retire`, which
+leaves a ``telemetry.retire`` marker on disk until it is done), never merely because every event was
+acknowledged: an unfinished run resumed after a restart must go on numbering where it stopped, since
+the coordinator drops every seq at or below what it already stored for the run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from device_agent.agent.buffer import DEFAULT_MAX_EVENTS, BufferFullError, TelemetryBuffer
+from device_agent.fileio import atomic_write_text
 from device_agent.protos import load
 
 __all__ = ["BUFFER_FILE", "DEFAULT_MAX_EVENTS", "RunTelemetry", "TelemetryClosed", "TelemetrySender", "TelemetrySink"]
@@ -37,6 +43,7 @@ fleet_pb2_grpc = load("poet.v1.fleet_pb2_grpc")
 
 RUNS_DIR = "runs"
 BUFFER_FILE = "telemetry.db"
+RETIRE_FILE = "telemetry.retire"  # the run's result is reported: delete its buffer once drained
 _BUFFER_FILES = (BUFFER_FILE, f"{BUFFER_FILE}-wal", f"{BUFFER_FILE}-shm", f"{BUFFER_FILE}-journal")
 
 
@@ -133,6 +140,8 @@ class TelemetrySink:
                 directory.mkdir(parents=True, exist_ok=True)
                 run = RunTelemetry(self, run_id, TelemetryBuffer(directory / BUFFER_FILE, self.max_events_per_run))
                 self._runs[run_id] = run
+                if (directory / RETIRE_FILE).exists():  # retired by an earlier process that stopped before the end
+                    self._retiring.add(run_id)
             return run
 
     def pending_runs(self) -> list[str]:
@@ -152,10 +161,35 @@ class TelemetrySink:
             return list(self._runs.values())
 
     def retire(self, run_id: str) -> None:
-        """Delete the run's buffer now if every event is acknowledged, else as soon as the last one is."""
+        """The run's result is reported: delete its buffer now if every event is acknowledged, else as soon
+        as the last one is (also after a restart: a marker file remembers it)."""
+        try:
+            _check_run_id(run_id)
+        except ValueError:
+            return  # no buffer can have this name
+        directory = self.runs_dir / run_id
+        if (directory / BUFFER_FILE).exists():
+            atomic_write_text(directory / RETIRE_FILE, "result reported\n")
+            if run_id not in self._runs:
+                try:
+                    self.for_run(run_id)  # opened: deleted only once drained
+                except Exception as exc:  # noqa: BLE001  (a damaged buffer is left for inspection)
+                    self.log(f"telemetry buffer of run {run_id} cannot be opened: {exc}")
+                    return
         with self._lock:
             self._retiring.add(run_id)
         self._retire_if_drained(run_id)
+
+    def retire_drained(self) -> list[str]:
+        """Delete the drained buffers of runs retired before a restart; the others stay (an unfinished run
+        keeps its buffer, and so its numbering, even when every event is acknowledged). Returns the runs."""
+        self.pending_runs()  # opens every buffer on disk and notes the retired ones
+        with self._lock:
+            for marker in self.runs_dir.glob(f"*/{RETIRE_FILE}"):  # stopped after deleting the buffer itself
+                if not (marker.parent / BUFFER_FILE).exists():
+                    self._retiring.add(marker.parent.name)
+            retiring = sorted(self._retiring)
+        return [run_id for run_id in retiring if self._retire_if_drained(run_id)]
 
     def _retire_if_drained(self, run_id: str) -> bool:
         with self._lock:
@@ -168,7 +202,7 @@ class TelemetrySink:
             self._runs.pop(run_id, None)
         if run is not None:
             run.buffer.close()
-        for name in _BUFFER_FILES:
+        for name in (*_BUFFER_FILES, RETIRE_FILE):  # the marker last: a crash before it retires again
             (self.runs_dir / run_id / name).unlink(missing_ok=True)
         return True
 

@@ -315,6 +315,8 @@ def cmd_runs_show(args, console: Console, op: Operator) -> int:
     for key, value in entry.items():
         if isinstance(value, dict):
             value = "  ".join(f"{k}={'-' if v is None else v}" for k, v in value.items())
+        elif isinstance(value, list):  # telemetry_steps_missing: step ranges
+            value = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in value) or "none"
         console.print(f"{key:<22} {'-' if value is None or value == '' else value}")
     return EXIT_OK
 

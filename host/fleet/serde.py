@@ -96,8 +96,10 @@ def figures_to_dict(message) -> dict[str, Any]:
             "energy_source": message.energy_source}
 
 
-def run_info(record, spec: dict[str, Any] | None = None):
-    """A RunInfo for ``record`` (a store.RunRecord); ``spec`` is its job's spec (model, dataset, steps)."""
+def run_info(record, spec: dict[str, Any] | None = None,
+             telemetry_steps_missing: list[tuple[int, int]] | None = None):
+    """A RunInfo for ``record`` (a store.RunRecord); ``spec`` is its job's spec (model, dataset, steps);
+    ``telemetry_steps_missing`` the step ranges without stored step events (GetRun computes them)."""
     metrics, spec = record.metrics, spec or {}
     info = fleet_pb2.RunInfo(
         run_id=record.run_id, agent=record.agent, status=RUN_STATUS_TO_PB[record.status],
@@ -127,6 +129,10 @@ def run_info(record, spec: dict[str, Any] | None = None):
         message = figures(values)
         if message is not None:
             getattr(info, name).CopyFrom(message)
+    if telemetry_steps_missing is not None:
+        info.telemetry_steps_missing.SetInParent()  # present, even when empty: the telemetry is complete
+        for first, last in telemetry_steps_missing:
+            info.telemetry_steps_missing.ranges.add(first=first, last=last)
     return info
 
 
@@ -144,6 +150,9 @@ def run_info_to_json(info) -> dict[str, Any]:
             out[name] = profile_ref_to_json(info.profile) if info.HasField("profile") else None
         elif name == "refinement":
             out[name] = refinement_to_json(info.refinement) if info.HasField("refinement") else None
+        elif name == "telemetry_steps_missing":  # [[first, last], ...]; null where not computed (lists)
+            out[name] = ([[r.first, r.last] for r in info.telemetry_steps_missing.ranges]
+                         if info.HasField(name) else None)
         elif name == "status":
             out[name] = RUN_STATUS_FROM_PB.get(info.status, "unknown")
         elif name == "kind":

@@ -724,7 +724,8 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     def GetRun(self, request, context, name):
         c = self.coordinator
         run = c.store.get_run(request.run_id)
-        return serde.run_info(run, c.spec(run.job_id))
+        missing = c.store.telemetry_steps_missing(run.run_id, int(run.metrics.get("steps_done") or 0))
+        return serde.run_info(run, c.spec(run.job_id), telemetry_steps_missing=missing)
 
 
     @_handler(OPERATOR)

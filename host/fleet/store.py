@@ -607,6 +607,26 @@ class RunStore:
         with self._read() as conn:
             return [(row.seq, row.payload) for row in conn.execute(query)]
 
+    def telemetry_steps_missing(self, run_id: str, through_step: int) -> list[tuple[int, int]]:
+        """The ranges ``(first, last)`` of steps 1..``through_step`` without a stored step event, in order.
+
+        Empty when the run's step telemetry is complete. A step re-run after a resume counts once it is
+        stored under any seq; a board whose re-run events were dropped shows its gap here.
+        """
+        step = events.c.payload[("step", "step")].as_integer()  # the job's step number, from 1
+        query = sa.select(step).distinct().where(events.c.run_id == run_id, step.is_not(None))
+        with self._read() as conn:
+            seen = {int(row[0]) for row in conn.execute(query)}
+        missing: list[tuple[int, int]] = []
+        for number in range(1, int(through_step) + 1):
+            if number in seen:
+                continue
+            if missing and missing[-1][1] == number - 1:
+                missing[-1] = (missing[-1][0], number)
+            else:
+                missing.append((number, number))
+        return missing
+
     # -- profile versions ------------------------------------------------------------------------
 
     def add_profile_version(self, agent: str, profile: Mapping[str, Any], now_s: float | None = None, *,

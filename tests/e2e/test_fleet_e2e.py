@@ -115,6 +115,10 @@ def test_agent_killed_mid_job_resumes_and_ends_with_the_parameters_of_an_uninter
     assert done["b1"]["final_loss"] == done["b2"]["final_loss"], dump(done)
     # The replayed steps' events were sent again under new seqs: still none lost, none twice.
     assert done["b1"]["events_emitted"] >= done["b2"]["events_emitted"], dump(done)
+    # And stored: every step has its step event (the restarted board used to number from 1 again, and the
+    # coordinator dropped those seqs as already stored, so the re-run steps had no telemetry; issue 17).
+    for run in done.values():
+        assert run["telemetry_steps_missing"] == [], dump(run)
     assert fleet.coordinator.stop() == 0
     for run in done.values():
         assert_events_complete(fleet, run)

@@ -16,6 +16,7 @@ import pytest
 from device_agent.agent import facts as board_facts
 from device_agent.agent.client import EXIT_OK, EXIT_REFUSED, Agent, AgentConfig, Backoff
 from device_agent.agent.results import RESULT_FILE
+from device_agent.agent.telemetry import BUFFER_FILE, TelemetrySink
 from tests.device_agent.agent.fleet_double import FakeFleet, Server, fleet_pb2, make_certs, wait_until
 
 AGENT_BIN = Path(sys.executable).parent / "poet-agent"
@@ -183,6 +184,32 @@ def test_pending_result_is_sent_after_a_restart_before_pulling(cert_root, server
         assert fleet.stored("run-1") == [1, 2, 3]
     finally:
         second.stop()
+
+
+def test_a_run_resumed_after_a_restart_numbers_on_even_with_every_event_acknowledged(cert_root, server, tmp_path):
+    """Issue 17, part 2: the agent died mid-run after every event was acknowledged. Its restart used to delete the
+    drained buffer; the resumed run then numbered from 1 again and the coordinator dropped those seqs unseen."""
+    (tmp_path / "state").mkdir()
+    before = TelemetrySink(tmp_path / "state", log=lambda _m: None)
+    run = before.for_run("run-k")
+    run.emit_many([fleet_pb2.TelemetryEvent(job_id="job-k", step=fleet_pb2.StepTelemetry(step=s)) for s in (1, 2, 3)])
+    stream = run.buffer.stream_id
+    before.apply_ack("run-k", stream, 3)
+    before.close()  # kill -9
+    fleet = server.fleet
+    fleet.events[(stream, "run-k")] = {seq: fleet_pb2.TelemetryEvent(seq=seq) for seq in (1, 2, 3)}  # stored before
+    fleet.jobs.append(_job(fleet, job_id="job-k", run_id="run-k", steps=4))
+    agent = Running(cert_root, server.target, tmp_path)
+    try:
+        wait_until(lambda: fleet.results, what="the resumed run's result")
+        assert fleet.results[0].events_emitted == 3 + 4
+        wait_until(lambda: fleet.stored("run-k") == [1, 2, 3, 4, 5, 6, 7],
+                   what="seqs 4..7 stored after 1..3")
+        assert {b.stream_id for b in fleet.batches if b.run_id == "run-k"} == {stream}
+        # Retired once the result is reported and every event acknowledged.
+        wait_until(lambda: not (tmp_path / "state/runs/run-k" / BUFFER_FILE).exists(), what="the buffer retired")
+    finally:
+        agent.stop()
 
 
 def test_coordinator_cancel_is_reported_and_stop_is_not(cert_root, server, tmp_path):

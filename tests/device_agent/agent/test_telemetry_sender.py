@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from device_agent.agent.telemetry import BUFFER_FILE, TelemetryClosed, TelemetrySender, TelemetrySink
+from device_agent.agent.telemetry import BUFFER_FILE, RETIRE_FILE, TelemetryClosed, TelemetrySender, TelemetrySink
 from tests.device_agent.agent.fleet_double import FakeFleet, Server, channel, fleet_pb2, make_certs, wait_until
 
 
@@ -212,3 +212,28 @@ def test_retire_deletes_a_drained_buffer_now_or_after_its_last_ack(tmp_path):
     with pytest.raises(ValueError, match="cannot name a directory"):
         sink.for_run("../escape")
     sink.close()
+
+
+def test_a_restart_deletes_only_buffers_retired_before_it_never_an_unfinished_runs(tmp_path):
+    """Issue 17, part 2: a drained buffer of an unfinished run is kept, so the run never numbers from 1 again."""
+    sink = TelemetrySink(tmp_path, log=lambda _m: None)
+    unfinished, reported = sink.for_run("run-u"), sink.for_run("run-r")
+    unfinished.emit_many([_event(i) for i in range(3)])
+    reported.emit_many([_event(i) for i in range(2)])
+    sink.apply_ack("run-u", unfinished.buffer.stream_id, 3)  # every event of the unfinished run acknowledged
+    stream_r = reported.buffer.stream_id
+    sink.retire("run-r")  # its result is reported; 2 events still unacknowledged
+    assert (tmp_path / "runs/run-r" / RETIRE_FILE).exists()
+    sink.close()  # the agent dies
+
+    again = TelemetrySink(tmp_path, log=lambda _m: None)
+    assert again.retire_drained() == []
+    assert (tmp_path / "runs/run-u" / BUFFER_FILE).exists() and (tmp_path / "runs/run-r" / BUFFER_FILE).exists()
+    resumed = again.for_run("run-u")
+    assert resumed.emitted == 3
+    resumed.emit(_event(9))
+    assert resumed.buffer.unacked() and resumed.buffer.unacked()[0][0] == 4  # numbering goes on, not from 1
+    again.apply_ack("run-r", stream_r, 2)  # the retirement survived the restart
+    assert not (tmp_path / "runs/run-r" / BUFFER_FILE).exists()
+    assert not (tmp_path / "runs/run-r" / RETIRE_FILE).exists()
+    again.close()

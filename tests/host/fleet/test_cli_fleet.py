@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import signal
 import subprocess
 import threading
@@ -141,7 +142,7 @@ def test_fleet_list_json_contract(cert_dir, served):
 
 @pytest.mark.slow  # 11 s; the fast suite keeps its 5-minute margin
 def test_run_json_and_runs_list_json_contract(cert_dir, served):
-    board(cert_dir, served.port, "pi-1")
+    stub = board(cert_dir, served.port, "pi-1")
     board(cert_dir, served.port, "pi-2", memory_limit_bytes=208 * MIB)  # auto: RSS + margin leave nothing
     run = operator(cert_dir, served, "run", "--model", "mlp", "--dataset", "digits", "--steps", "3",
                    "--ram-budget", "auto", "--all", "--json")
@@ -159,8 +160,20 @@ def test_run_json_and_runs_list_json_contract(cert_dir, served):
     assert listed.returncode == 0, listed.stderr
     assert {r["run_id"]: r["status"] for r in one_json_object(listed.stdout)["runs"]} == {
         fits["run_id"]: "queued", small["run_id"]: "does_not_fit"}
+    assert all(r["telemetry_steps_missing"] is None for r in one_json_object(listed.stdout)["runs"])  # show only
     shown = operator(cert_dir, served, "runs", "show", fits["run_id"], "--json")
     assert one_json_object(shown.stdout)["run_id"] == fits["run_id"]
+    assert one_json_object(shown.stdout)["telemetry_steps_missing"] == []
+    # The board sends the step events of steps 1 and 3: step 2 has none, and `runs show` says so.
+    job = stub.PullJob(fleet_pb2.PullJobRequest(wait_s=25), timeout=TIMEOUT_S).job
+    events = [fleet_pb2.TelemetryEvent(seq=seq, job_id=job.job_id, step=fleet_pb2.StepTelemetry(step=step, loss=1.0))
+              for seq, step in ((1, 1), (2, 3))]
+    list(stub.StreamTelemetry(iter([fleet_pb2.TelemetryBatch(stream_id="b", run_id=job.run_id, events=events)]),
+                              timeout=TIMEOUT_S))
+    shown = operator(cert_dir, served, "runs", "show", fits["run_id"], "--json")
+    assert one_json_object(shown.stdout)["telemetry_steps_missing"] == [[2, 2]], shown.stdout
+    human = operator(cert_dir, served, "runs", "show", fits["run_id"])
+    assert re.search(r"^telemetry_steps_missing +2$", human.stdout, re.M), human.stdout
     unknown = operator(cert_dir, served, "run", "--model", "mlp", "--dataset", "digits", "--steps", "3",
                        "--ram-budget", "80%", "--agents", "pi-1,pi-9")
     assert unknown.returncode == 2 and "pi-9" in unknown.stderr and "known agents: pi-1, pi-2" in unknown.stderr

@@ -199,6 +199,19 @@ def test_a_gap_holds_the_ack_until_it_is_filled(store):
     assert [seq for seq, _ in store.get_events("r1", after_seq=97)] == [98, 99, 100]
 
 
+def test_telemetry_steps_missing_are_the_step_ranges_without_a_stored_step_event(store):
+    _job_with_run(store)
+    assert store.telemetry_steps_missing("r1", 0) == [] and store.telemetry_steps_missing("r1", 3) == [(1, 3)]
+    payloads = [{"instruction": {"node": "a"}}, {"step": {"step": 1, "loss": 2.0}}, {"rss": {"rss_bytes": "9"}},
+                {"step": {"step": 2}}, {"step": {"step": 5}}, {"step": {"step": 6}}, {"step": {"step": 9}},
+                {"step": {"step": 5}}]  # step 5 re-run after a resume: stored twice, under two seqs
+    store.store_events("r1", list(enumerate(payloads, start=1)))
+    assert store.telemetry_steps_missing("r1", 10) == [(3, 4), (7, 8), (10, 10)]
+    store.store_events("r1", [(9, {"step": {"step": 3}}), (10, {"step": {"step": 4}}), (11, {"step": {"step": 7}}),
+                              (12, {"step": {"step": 8}}), (13, {"step": {"step": 10}})])
+    assert store.telemetry_steps_missing("r1", 10) == []
+
+
 def test_concurrent_writers_store_each_event_once(store_url):
     """Two writers (each its own store, as two coordinator processes would be) send overlapping batches
     for the same run at the same time: every event is stored once, none is lost, the ack reaches the end."""
