@@ -420,20 +420,18 @@ class Coordinator:
                         grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,
                         graph_fingerprint=package.graph.fingerprint())
         job_id = f"job-{uuid.uuid4().hex[:12]}"
-        self.store.create_job(job_id, kind, spec)
-        self._specs[job_id] = spec
-        runs = []
+        run_specs = []
         for plan in plans:
-            run_id = f"run-{uuid.uuid4().hex[:12]}"
-            self.store.create_run(run_id, job_id, plan.agent, kind, status=plan.status,
-                                  ram_budget_bytes=plan.ram_budget_bytes,
-                                  schedule_fingerprint=plan.schedule_fingerprint, predicted=plan.predicted,
-                                  detail=plan.detail)
             metrics = {"schedule_key": plan.schedule_key, "min_ram_budget_bytes": plan.min_ram_budget_bytes,
                        "steps_done": 0, **plan.counts}
             if plan.profile is not None:
                 metrics.update(profile_name=plan.profile["name"], profile_version=plan.profile["version"])
-            runs.append(self.store.update_run(run_id, metrics=metrics))
+            run_specs.append({"run_id": f"run-{uuid.uuid4().hex[:12]}", "agent": plan.agent, "status": plan.status,
+                              "ram_budget_bytes": plan.ram_budget_bytes, "predicted": plan.predicted,
+                              "schedule_fingerprint": plan.schedule_fingerprint, "detail": plan.detail,
+                              "metrics": metrics})
+        runs = self.store.create_submission(job_id, kind, spec, run_specs)  # all the boards' runs, or none
+        self._specs[job_id] = spec
         self.notify_work()
         return [serde.run_info(run, spec) for run in runs]
 

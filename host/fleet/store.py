@@ -480,6 +480,35 @@ class RunStore:
             ))
             return _run(self._run_row(conn, run_id))
 
+    def create_submission(self, job_id: str, kind: str, spec: Mapping[str, Any], run_specs: list[Mapping[str, Any]],
+                          now_s: float | None = None) -> list[RunRecord]:
+        """A job and its runs (one per board) in one transaction: all are stored, or none.
+
+        Each of ``run_specs`` has ``run_id`` and ``agent``, and may have ``status`` (queued), ``ram_budget_bytes``,
+        ``schedule_fingerprint``, ``predicted``, ``detail`` and ``metrics``. A removed or unknown agent, a run id in
+        use or a bad value refuses the whole submission (nothing of it is stored)."""
+        _check_kind(kind)
+        now_s = _now_s() if now_s is None else now_s
+        with self._write() as conn:
+            if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is not None:
+                raise StoreError(f"job {job_id!r} exists already")
+            conn.execute(sa.insert(jobs).values(job_id=job_id, kind=kind, spec=dict(spec), created_at_s=now_s))
+            for run in run_specs:
+                status = run.get("status", "queued")
+                _check_status(status)
+                _refuse_removed(self._agent_row(conn, run["agent"]))
+                if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run["run_id"])).first() is not None:
+                    raise StoreError(f"run {run['run_id']!r} exists already")
+                predicted = run.get("predicted")
+                conn.execute(sa.insert(runs).values(
+                    run_id=run["run_id"], job_id=job_id, agent=run["agent"], kind=kind, status=status,
+                    ram_budget_bytes=run.get("ram_budget_bytes"), schedule_fingerprint=run.get("schedule_fingerprint"),
+                    predicted=None if predicted is None else dict(predicted), measured=None,
+                    metrics=dict(run.get("metrics") or {}), detail=run.get("detail"), events_stored=0,
+                    events_acked_seq=0, created_at_s=now_s, updated_at_s=now_s,
+                ))
+            return [_run(self._run_row(conn, run["run_id"])) for run in run_specs]
+
     def update_run(
         self, run_id: str, *, status: str | None = None, ram_budget_bytes: int | None = _UNSET,
         schedule_fingerprint: str | None = _UNSET, predicted: Mapping[str, Any] | None = _UNSET,

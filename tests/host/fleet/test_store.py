@@ -474,3 +474,20 @@ def test_sqlite_store_is_a_wal_file_with_foreign_keys(tmp_path):
         with pytest.raises(sa.exc.IntegrityError), store._write() as conn:
             conn.execute(sa.insert(store_module.events).values(run_id="ghost-run", seq=1, payload={}, stored_at_s=0.0))
     assert (tmp_path / "poet.db").is_file()
+
+
+def test_a_submission_is_stored_whole_or_not_at_all(store):
+    store.register_agent("pi-1", "a72", FACTS)
+    store.register_agent("pi-3", "a72", FACTS)
+    store.remove_agent("pi-3")
+    runs = [{"run_id": "run-a", "agent": "pi-1", "metrics": {"steps_done": 0}, "ram_budget_bytes": 1000},
+            {"run_id": "run-c", "agent": "pi-3"}]
+    with pytest.raises(AgentRemovedError, match="'pi-3' was removed"):
+        store.create_submission("job-1", "train", {"steps": 3}, runs)
+    assert store.list_runs() == []  # pi-1's run was not left behind
+    with pytest.raises(StoreError, match="no job 'job-1'"):
+        store.get_job("job-1")
+    [stored] = store.create_submission("job-1", "train", {"steps": 3}, runs[:1])
+    assert (stored.run_id, stored.agent, stored.status, stored.ram_budget_bytes, stored.metrics) == (
+        "run-a", "pi-1", "queued", 1000, {"steps_done": 0})
+    assert store.get_job("job-1").spec == {"steps": 3}
