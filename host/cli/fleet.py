@@ -111,6 +111,16 @@ class Operator:
         except grpc.RpcError as error:
             raise CliError(self.explain(error)) from None
 
+    def call_pages(self, method: str, request, field: str) -> list:
+        """Every entry of a paged list call (``field`` of each reply), page after page."""
+        entries: list = []
+        while True:
+            reply = self.call(method, request)
+            entries.extend(getattr(reply, field))
+            if not reply.next_page_token:
+                return entries
+            request.page_token = reply.next_page_token
+
     def explain(self, error) -> str:
         import grpc
 
@@ -144,7 +154,7 @@ def _with_operator(function):
 def cmd_fleet_list(args, console: Console, op: Operator) -> int:
     from host.fleet.serde import agent_info_to_json
 
-    agents = [agent_info_to_json(a) for a in op.call("ListAgents", op.pb.ListAgentsRequest()).agents]
+    agents = [agent_info_to_json(a) for a in op.call_pages("ListAgents", op.pb.ListAgentsRequest(), "agents")]
     if args.json:
         console.print_json({"agents": agents})
         return EXIT_OK
@@ -289,7 +299,7 @@ def _short_bytes(value) -> str:
 def cmd_runs_list(args, console: Console, op: Operator) -> int:
     from host.fleet.serde import run_info_to_json
 
-    entries = [run_info_to_json(r) for r in op.call("ListRuns", op.pb.ListRunsRequest()).runs]
+    entries = [run_info_to_json(r) for r in op.call_pages("ListRuns", op.pb.ListRunsRequest(), "runs")]
     if args.json:
         console.print_json({"runs": entries})
         return EXIT_OK

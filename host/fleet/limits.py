@@ -30,3 +30,6 @@ DOWNLOAD_IDLE_S = 60.0  # a model download whose chunks nobody reads for this lo
 MAX_EVENTS_PER_BATCH = 5000  # telemetry events in one batch (agents send up to 500)
 MAX_EVENT_BYTES = 16 * 1024  # one telemetry event, serialized
 MAX_SEQ = (1 << 63) - 1  # a telemetry sequence number (SQLite's INTEGER)
+LIST_PAGE_SIZE = 500  # entries per page of `ListAgents` / `ListRuns` when the caller asks for no size
+MAX_LIST_PAGE_SIZE = 5000
+LIST_PAGE_BYTES = 4 * MIB  # a page ends before this many bytes of entries (half the message limit)

@@ -41,6 +41,9 @@ from host.fleet.limits import (
     DOWNLOAD_IDLE_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
+    LIST_PAGE_BYTES,
+    LIST_PAGE_SIZE,
+    MAX_LIST_PAGE_SIZE,
     MAX_MESSAGE_BYTES,
     MAX_PULL_WAIT_S,
     MODEL_CHUNK_BYTES,
@@ -548,6 +551,28 @@ def profile_digest(profile) -> str:
 
 
 # ------------------------------------------------------------------------------------------ servicers
+def _page(records: list, request, to_message: Callable[[Any], Any]) -> tuple[list, str]:
+    """One page of ``records`` (in the store's stable order) as messages, and the token of the next page ("" after
+    the last): at most the request's page_size (default LIST_PAGE_SIZE, at most MAX_LIST_PAGE_SIZE) entries and at
+    most LIST_PAGE_BYTES of them (one entry at least), so a reply stays far below the message limit."""
+    token = request.page_token or "0"
+    if not token.isdigit() or int(token) > len(records):
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"page_token {request.page_token[:64]!r} is not one this coordinator gave (or the list "
+                       "shrank since); start again without one")
+    start = int(token)
+    size = min(request.page_size or LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
+    page, total_bytes = [], 0
+    for record in records[start:start + size]:
+        message = to_message(record)
+        total_bytes += message.ByteSize()
+        if page and total_bytes > LIST_PAGE_BYTES:
+            break
+        page.append(message)
+    end = start + len(page)
+    return page, (str(end) if end < len(records) else "")
+
+
 def _handler(role: str):
     """Wrap a servicer method: identify the caller (``name`` argument), turn refusals and store errors into statuses."""
 
@@ -691,8 +716,9 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     @_handler(OPERATOR)
     def ListAgents(self, request, context, name):
         c, now = self.coordinator, time.time()
-        agents = [serde.agent_info(a, online=a.online(now, c.heartbeat_timeout_s)) for a in c.store.list_agents()]
-        return fleet_pb2.ListAgentsReply(agents=agents)
+        agents, token = _page(c.store.list_agents(), request,
+                              lambda a: serde.agent_info(a, online=a.online(now, c.heartbeat_timeout_s)))
+        return fleet_pb2.ListAgentsReply(agents=agents, next_page_token=token)
 
     @_handler(OPERATOR)
     def RemoveAgent(self, request, context, name):
@@ -716,7 +742,8 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     @_handler(OPERATOR)
     def ListRuns(self, request, context, name):
         c = self.coordinator
-        return fleet_pb2.ListRunsReply(runs=[serde.run_info(r, c.spec(r.job_id)) for r in c.store.list_runs()])
+        runs, token = _page(c.store.list_runs(), request, lambda r: serde.run_info(r, c.spec(r.job_id)))
+        return fleet_pb2.ListRunsReply(runs=runs, next_page_token=token)
 
     @_handler(OPERATOR)
     def GetRun(self, request, context, name):

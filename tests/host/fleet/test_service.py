@@ -454,3 +454,43 @@ def test_out_of_range_telemetry_is_invalid_argument_and_nothing_stored(cert_dir,
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, error.details()), error.details()
     assert coordinator.store.acked_seq(run.run_id) == 0 and coordinator.store.get_events(run.run_id) == []
+
+
+def test_lists_come_in_pages_by_count_and_by_bytes(cert_dir, coordinator, monkeypatch):
+    for name in ("pi-1", "pi-2", "pi-3"):
+        register(cert_dir, coordinator.port, name)
+    ops = admin(cert_dir, coordinator.port)
+    first = ops.ListAgents(fleet_pb2.ListAgentsRequest(page_size=2), timeout=TIMEOUT_S)
+    assert [a.name for a in first.agents] == ["pi-1", "pi-2"] and first.next_page_token
+    last = ops.ListAgents(fleet_pb2.ListAgentsRequest(page_size=2, page_token=first.next_page_token),
+                          timeout=TIMEOUT_S)
+    assert [a.name for a in last.agents] == ["pi-3"] and last.next_page_token == ""
+    error = refused(lambda: ops.ListAgents(fleet_pb2.ListAgentsRequest(page_token="x" * 1000), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "start again without one" in error.details()
+    monkeypatch.setattr(service, "LIST_PAGE_BYTES", 1)  # every page ends after its first entry
+    names = []
+    request = fleet_pb2.ListAgentsRequest()
+    while True:
+        reply = ops.ListAgents(request, timeout=TIMEOUT_S)
+        assert len(reply.agents) == 1
+        names.append(reply.agents[0].name)
+        if not reply.next_page_token:
+            break
+        request.page_token = reply.next_page_token
+    assert names == ["pi-1", "pi-2", "pi-3"]
+    submit(cert_dir, coordinator.port, agents=["pi-1", "pi-2"])
+    runs = ops.ListRuns(fleet_pb2.ListRunsRequest(), timeout=TIMEOUT_S)
+    assert len(runs.runs) == 1 and runs.next_page_token == "1"
+
+
+def test_the_operator_cli_gathers_every_page(cert_dir, coordinator, monkeypatch):
+    from types import SimpleNamespace
+
+    from host.cli.fleet import Operator
+
+    for name in ("pi-1", "pi-2", "pi-3"):
+        register(cert_dir, coordinator.port, name)
+    monkeypatch.setattr(service, "LIST_PAGE_BYTES", 1)  # one agent per page
+    op = Operator(SimpleNamespace(coordinator=f"127.0.0.1:{coordinator.port}", certs=str(cert_dir / "alice")))
+    agents = op.call_pages("ListAgents", op.pb.ListAgentsRequest(), "agents")
+    assert [a.name for a in agents] == ["pi-1", "pi-2", "pi-3"]
