@@ -40,6 +40,7 @@ import grpc
 
 from host.fleet import serde
 from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
+from host.fleet.refusal import Refused
 
 fleet_pb2 = serde.fleet_pb2
 log = logging.getLogger("poet.fleet.calibrate")
@@ -212,16 +213,15 @@ def _registry(coordinator) -> dict[str, Calibration]:
 
 def start_calibration(coordinator, request, *, operator: str):
     """Check the request, start the calibration thread, and return its CalibrationInfo."""
-    from host.fleet.service import _Refused
 
     agents = {a.name: a for a in coordinator.store.list_agents()}
     if request.agent not in agents:
         listing = ", ".join(sorted(agents)) or "none has registered"
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                        f"unknown agent {request.agent!r}; known agents: {listing} (see `poet fleet list`)")
     steps = request.steps or DEFAULT_STEPS
     if steps < MIN_STEPS:
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                        f"calibration runs need at least {MIN_STEPS} steps (a warm-up step, a fitted half and a "
                        f"held-out half); got {steps}")
     models = [m for m in dict.fromkeys(request.models) if m] or list(DEFAULT_MODELS)
@@ -229,7 +229,7 @@ def start_calibration(coordinator, request, *, operator: str):
     with _START_LOCK:
         busy = [c for c in calibrations.values() if c.agent == request.agent and c.status == "running"]
         if busy:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"board {request.agent!r} is being calibrated already ({busy[0].calibration_id}); wait "
                            f"for it")
         calibration = Calibration(f"cal-{uuid.uuid4().hex[:12]}", request.agent, operator, models, steps,
@@ -241,11 +241,10 @@ def start_calibration(coordinator, request, *, operator: str):
 
 
 def calibration_info(coordinator, calibration_id: str):
-    from host.fleet.service import _Refused
 
     calibration = _registry(coordinator).get(calibration_id)
     if calibration is None:
-        raise _Refused(grpc.StatusCode.NOT_FOUND,
+        raise Refused(grpc.StatusCode.NOT_FOUND,
                        f"no calibration {calibration_id!r} on this coordinator (calibrations in progress are "
                        f"forgotten when it restarts; see `poet profiles list` for the stored versions)")
     return calibration.info()
@@ -255,11 +254,10 @@ def _run(coordinator, calibration: Calibration) -> None:
     try:
         report = calibrate(coordinator, calibration)
     except Exception as error:  # the thread's end: every failure is the calibration's outcome
-        from host.fleet.service import _Refused
 
-        message = error.message if isinstance(error, _Refused) else str(error) or type(error).__name__
+        message = error.message if isinstance(error, Refused) else str(error) or type(error).__name__
         log.warning("calibration %s of %s failed: %s", calibration.calibration_id, calibration.agent, message,
-                    exc_info=not isinstance(error, (_Refused, CalibrationFailed)))
+                    exc_info=not isinstance(error, (Refused, CalibrationFailed)))
         with calibration.lock:
             calibration.status, calibration.error = "failed", message
         return

@@ -50,6 +50,7 @@ from host.fleet.limits import (
     SOLVE_TIME_LIMIT_S,
     STREAM_IDLE_S,
 )
+from host.fleet.refusal import Refused
 from host.fleet.store import (
     TERMINAL_STATUSES,
     AgentRemovedError,
@@ -77,15 +78,6 @@ DEFAULT_LR = 0.01
 DEFAULT_CHECKPOINT_EVERY_STEPS = 0  # 0: the agent's default
 NODE, OPERATOR = "node", "operator"
 MODELS_DIR, RESULTS_DIR = "models", "results"
-
-
-class _Refused(Exception):
-    """Abort the call with ``code`` and ``message`` (a problem and its fix)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -155,7 +147,7 @@ class Coordinator:
         try:
             caller_role, name = peer_identity(context.auth_context())
         except IdentityError as error:
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                            f"{error}; connect with a bundle from `poet certs issue`") from None
         if caller_role != role:
             if role == NODE:
@@ -163,9 +155,9 @@ class Coordinator:
             else:
                 fix = ("the FleetAdmin service is for operators: use a bundle from `poet certs issue --operator NAME` "
                        "(POET_CERTS or --certs)")
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"{caller_role} {name!r} may not call this: {fix}")
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{caller_role} {name!r} may not call this: {fix}")
         if role == NODE and self.store.is_removed(name):
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                            f"node {name!r} was removed with `poet fleet remove` and is refused; issue a certificate "
                            f"under a new name (`poet certs issue --node NEW_NAME`) to bring the board back")
         return name
@@ -223,9 +215,9 @@ class Coordinator:
         try:
             run = self.store.get_run(run_id)
         except UnknownRunError:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, f"no run {run_id!r} on this coordinator") from None
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"no run {run_id!r} on this coordinator") from None
         if run.agent != agent:
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                            f"run {run_id!r} is not assigned to node {agent!r}; report only runs handed to you by PullJob")
         return run
 
@@ -237,7 +229,7 @@ class Coordinator:
                 if path.is_file():
                     return path
                 break
-        raise _Refused(grpc.StatusCode.NOT_FOUND,
+        raise Refused(grpc.StatusCode.NOT_FOUND,
                        f"no model {digest!r} for this node (only the models of runs assigned to it can be fetched)")
 
     # ------------------------------------------------------------------------------------ submit
@@ -263,7 +255,7 @@ class Coordinator:
             stored = self.store.get_profile_version(agent.name, pinned_version)
             if stored is None:
                 have = [v.version for v in self.store.list_profile_versions(agent.name)]
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"board {agent.name!r} has no profile version {pinned_version} (it has "
                                f"{', '.join(map(str, have)) or 'none'}; see `poet profiles list --agent {agent.name}`)")
         else:
@@ -353,16 +345,16 @@ class Coordinator:
             now = time.time()
             chosen = [a for a in known.values() if a.online(now, self.heartbeat_timeout_s)]
             if not chosen:
-                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                "no agent is online; start `poet-agent run` on a board (see `poet fleet list`)")
             return chosen
         names = list(dict.fromkeys(request.agents))
         if not names:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "name the boards (--agents A,B) or pass --all")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "name the boards (--agents A,B) or pass --all")
         unknown = [n for n in names if n not in known]
         if unknown:
             listing = ", ".join(sorted(known)) or "none has registered"
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"unknown agent(s): {', '.join(unknown)}; known agents: {listing} (see `poet fleet list`)")
         return [known[n] for n in names]
 
@@ -373,29 +365,29 @@ class Coordinator:
         optimizer = serde.OPTIMIZER_FROM_PB.get(request.optimizer or fleet_pb2.OPTIMIZER_SGD)
         collect = serde.COLLECT_FROM_PB.get(request.collect or fleet_pb2.COLLECT_NONE)
         if kind is None or optimizer is None or collect is None:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
         runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
         if request.no_paging and request.no_remat:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            "--no-paging and --no-remat together leave only plain training: give at most one "
                            "(or a RAM budget of 100%)")
         if runtime_factor < 1.0:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"runtime budget {runtime_factor} is below 1.0; give a factor >= 1.0 (e.g. 1.2)")
         if kind != "profile":
             if not request.model:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no model given; pass --model (see `poet models`)")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no model given; pass --model (see `poet models`)")
             if not request.dataset:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no dataset given; pass --dataset NAME")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no dataset given; pass --dataset NAME")
             if request.steps < 1:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 1; pass --steps N")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 1; pass --steps N")
             budget_kind = request.ram_budget.WhichOneof("budget")
             if budget_kind is None:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "no RAM budget; pass --ram-budget BYTES|PCT|auto")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no RAM budget; pass --ram-budget BYTES|PCT|auto")
             if budget_kind == "fraction_of_peak" and not 0 < request.ram_budget.fraction_of_peak <= 1:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a share of the no-remat peak must be in (0, 1]")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a share of the no-remat peak must be in (0, 1]")
             if budget_kind == "budget_bytes" and not request.ram_budget.budget_bytes > 0:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a RAM budget in bytes must be positive")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a RAM budget in bytes must be positive")
         boards = self.targets(request)
         spec: dict[str, Any] = {
             "model": request.model, "dataset": request.dataset, "steps": request.steps, "optimizer": optimizer,
@@ -418,7 +410,7 @@ class Coordinator:
                     if text is not None:
                         spec["schedules"][plan.schedule_key] = text
             except user_errors() as error:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
             spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
                         grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,
                         graph_fingerprint=package.graph.fingerprint())
@@ -442,22 +434,22 @@ class Coordinator:
     def report(self, agent: str, result) -> None:
         run = self.assigned_run(agent, result.run_id)
         if result.job_id and result.job_id != run.job_id:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"run {run.run_id!r} belongs to job {run.job_id!r}, not {result.job_id!r}")
         if result.status not in (fleet_pb2.RUN_STATUS_DONE, fleet_pb2.RUN_STATUS_FAILED):
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a result's status is DONE or FAILED")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a result's status is DONE or FAILED")
         with self._result_lock:
             run = self.store.get_run(run.run_id)
             if run.status in TERMINAL_STATUSES:
                 return  # a resend after a reconnect: the first report stands
             if run.status != "running":
-                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                f"run {run.run_id!r} is {run.status}, not running: report only jobs PullJob handed you")
             spec = self.spec(run.job_id)
             try:
                 check_result(result, steps=int(spec.get("steps") or 0), collect=spec.get("collect", "none"))
             except BoardInputError as error:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the result of run {run.run_id!r}: {error}") from None
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the result of run {run.run_id!r}: {error}") from None
             update = serde.result_update(result)
             update["detail"] = bounded_error(update["detail"]) if update["detail"] else None
             diverged = first_non_finite(result.loss_per_step)
@@ -477,7 +469,7 @@ class Coordinator:
                     profile = json.loads(result.profile_json)
                     PlatformProfile.from_dict(profile, file_label=f"the profile of run {run.run_id}")
                 except ValueError as error:  # ProfileError is a ValueError too
-                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"profile_json is not a platform profile ({error}); the agent must send what "
                                    f"`poet profile --local` writes") from None
                 provenance = {"source": "profile-job", "agent": agent, "job_id": run.job_id, "run_id": run.run_id,
@@ -494,7 +486,7 @@ class Coordinator:
         data = weights.safetensors
         digest = hashlib.sha256(data).hexdigest()
         if weights.digest and digest != weights.digest:
-            raise _Refused(grpc.StatusCode.DATA_LOSS,
+            raise Refused(grpc.StatusCode.DATA_LOSS,
                            f"collected weights of run {run_id!r} have sha256 {digest}, not {weights.digest}: "
                            "resend the result")
         path = self.results_dir / f"{run_id}.safetensors"
@@ -505,7 +497,7 @@ class Coordinator:
         try:
             check_telemetry_batch(batch)
         except BoardInputError as error:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"node {agent!r}: {error}") from None
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"node {agent!r}: {error}") from None
         run_id = batch.run_id
         if self._run_owner.get(run_id) != agent:  # a run's board never changes: checked once per run
             self._run_owner[run_id] = self.assigned_run(agent, run_id).agent
@@ -557,7 +549,7 @@ def _page(records: list, request, to_message: Callable[[Any], Any]) -> tuple[lis
     most LIST_PAGE_BYTES of them (one entry at least), so a reply stays far below the message limit."""
     token = request.page_token or "0"
     if not token.isdigit() or int(token) > len(records):
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                        f"page_token {request.page_token[:64]!r} is not one this coordinator gave (or the list "
                        "shrank since); start again without one")
     start = int(token)
@@ -586,7 +578,7 @@ def _handler(role: str):
                     return method(self, request, context, name)
             except CallLimitError as error:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            except _Refused as refused:
+            except Refused as refused:
                 context.abort(refused.code, refused.message)
             except AgentRemovedError as error:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
@@ -614,7 +606,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
         try:
             facts = check_facts(serde.facts_from_register(request))
         except BoardInputError as error:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the facts of node {name!r}: {error}") from None
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the facts of node {name!r}: {error}") from None
         c.store.register_agent(name, request.platform or "local", facts)
         log.info("agent %s registered (%s)", name, request.platform)
         c.notify_work()
@@ -650,7 +642,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
         try:
             name = c.caller(context, NODE)
             path = c.model_path(name, request.digest)
-        except _Refused as refused:
+        except Refused as refused:
             context.abort(refused.code, refused.message)
         total = path.stat().st_size
         if request.offset_bytes > total:
@@ -680,7 +672,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
         c = self.coordinator
         try:
             name = c.caller(context, NODE)
-        except _Refused as refused:
+        except Refused as refused:
             context.abort(refused.code, refused.message)
         try:
             with c.slots.hold(name, "stream"):
@@ -690,7 +682,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
                         watch.progress()
                         try:
                             ack = c.telemetry(name, batch)
-                        except _Refused as refused:
+                        except Refused as refused:
                             context.abort(refused.code, refused.message)
                         except StoreError as error:
                             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
@@ -768,7 +760,7 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
         if version is None:
             have = [v.version for v in store.list_profile_versions(request.agent)]
             which = f"version {request.version}" if request.version else "stored profile"
-            raise _Refused(grpc.StatusCode.NOT_FOUND,
+            raise Refused(grpc.StatusCode.NOT_FOUND,
                            f"board {request.agent!r} has no {which} (stored versions: "
                            f"{', '.join(map(str, have)) or 'none'}); `poet run --kind profile` or `poet calibrate` "
                            f"stores one")

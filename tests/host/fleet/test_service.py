@@ -494,3 +494,18 @@ def test_the_operator_cli_gathers_every_page(cert_dir, coordinator, monkeypatch)
     op = Operator(SimpleNamespace(coordinator=f"127.0.0.1:{coordinator.port}", certs=str(cert_dir / "alice")))
     agents = op.call_pages("ListAgents", op.pb.ListAgentsRequest(), "agents")
     assert [a.name for a in agents] == ["pi-1", "pi-2", "pi-3"]
+
+
+def test_calibration_and_validation_do_not_import_the_service():
+    """One way: the service drives calibration and validation, never the other way (refusals live in refusal.py)."""
+    import ast
+    from pathlib import Path
+
+    import host.fleet
+
+    folder = Path(host.fleet.__file__).parent
+    for name in ("calibration", "validation", "admission", "refusal"):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "host.fleet.service" not in imported, name
