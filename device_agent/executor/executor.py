@@ -11,6 +11,11 @@ read back from the RAM store, and a missing one is an error rather than a silent
 
 Recomputation is invisible to the mathematics: a recomputed program replays the RNG state of its first
 run (same dropout mask) and its buffer updates are undone (BatchNorm statistics move once per step).
+
+With ``node_functions=True`` a fwd/loss node runs as the forward and backward functions of
+``node_functions.py`` instead, without autograd: the forward returns the tensors its backward reads, which
+are classified and held exactly as the hooks' are (own entry, producer's entry, fixed or pinned), and the
+backward takes them with the output gradients and returns every gradient.
 """
 
 from __future__ import annotations
