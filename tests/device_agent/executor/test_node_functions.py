@@ -14,12 +14,13 @@ from device_agent.executor.partition import NodeProgram
 
 from .helpers import case, param_diff, run_plain, run_scheduled, schedule_for
 
-CASES = [(model, kind, optimizer)
+CASES = [pytest.param(model, kind, optimizer, marks=() if model == "mlp" else pytest.mark.slow,  # ~1.5 s each
+                       id=f"{model}-{kind}-{optimizer}")
          for model in ("mlp", "resnet18_cifar", "hf_bert")
          for kind, optimizer in (("none", "sgd"), ("remat", "adamw"), ("paging", "sgd"), ("mixed", "adamw"))]
 
 
-@pytest.mark.parametrize("model,kind,optimizer", CASES, ids=[f"{m}-{k}-{o}" for m, k, o in CASES])
+@pytest.mark.parametrize("model,kind,optimizer", CASES)
 def test_node_functions_train_bitwise_as_plain_pytorch(model, kind, optimizer, tmp_path):
     current = case(model)
     schedule, _budget = schedule_for(model, kind)
