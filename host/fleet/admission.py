@@ -5,8 +5,9 @@ limited per identity (its certificate's name), per kind of call:
 
 - a PullJob long poll: a second one from the same board replaces the first, which returns at once
   without a job (an agent that reconnected leaves its old poll behind);
-- ``stream``: telemetry streams; ``download``: model downloads. Each is also cancelled when it
-  makes no progress for its idle deadline (a stream that sends nothing, a download nobody reads).
+- ``stream``: telemetry streams (an agent keeps one open while it has nothing to send, so they
+  have no idle deadline); ``download``: model downloads, also cancelled when nobody reads their
+  chunks for DOWNLOAD_IDLE_S.
 - ``call``: all of a board's calls together (the ones above included).
 
 Over a limit the call is refused with RESOURCE_EXHAUSTED, naming the limit. With the server's

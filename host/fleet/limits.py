@@ -25,7 +25,6 @@ MAX_EVENTS_PER_RUN = 1 << 40  # a result's events_emitted
 MAX_CALLS_PER_NODE = 8  # all its calls together: one board holds at most an eighth of MAX_WORKERS
 MAX_STREAMS_PER_NODE = 2  # telemetry streams
 MAX_DOWNLOADS_PER_NODE = 2  # model downloads
-STREAM_IDLE_S = 120.0  # a telemetry stream that sends nothing for this long is cancelled
 DOWNLOAD_IDLE_S = 60.0  # a model download whose chunks nobody reads for this long is cancelled
 MAX_EVENTS_PER_BATCH = 5000  # telemetry events in one batch (agents send up to 500)
 MAX_EVENT_BYTES = 16 * 1024  # one telemetry event, serialized

@@ -48,7 +48,6 @@ from host.fleet.limits import (
     MAX_PULL_WAIT_S,
     MODEL_CHUNK_BYTES,
     SOLVE_TIME_LIMIT_S,
-    STREAM_IDLE_S,
 )
 from host.fleet.refusal import Refused
 from host.fleet.store import (
@@ -107,8 +106,7 @@ class Coordinator:
     def __init__(self, store: RunStore, state_dir: str | Path, *, packager: Callable[..., Any] | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None,
-                 refine_profiles: bool = True, stream_idle_s: float = STREAM_IDLE_S,
-                 download_idle_s: float = DOWNLOAD_IDLE_S):
+                 refine_profiles: bool = True, download_idle_s: float = DOWNLOAD_IDLE_S):
         self.store = store
         self.state_dir = Path(state_dir)
         self.models_dir = self.state_dir / MODELS_DIR
@@ -130,7 +128,6 @@ class Coordinator:
         self._result_lock = threading.Lock()
         self._run_owner: dict[str, str] = {}  # run id -> the board it is assigned to (telemetry checks)
         self.slots = CallSlots()  # each board's open calls (host/fleet/admission.py)
-        self.stream_idle_s = stream_idle_s
         self.download_idle_s = download_idle_s
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
@@ -449,9 +446,17 @@ class Coordinator:
             try:
                 check_result(result, steps=int(spec.get("steps") or 0), collect=spec.get("collect", "none"))
             except BoardInputError as error:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the result of run {run.run_id!r}: {error}") from None
+                # the agent drops a refused result: the run fails here, or it would be handed out and re-run forever
+                message = f"the result of run {run.run_id!r}: {error}"
+                self.store.update_run(run.run_id, status="failed",
+                                      detail=bounded_error(f"the coordinator refused the board's result ({message})"))
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, message) from None
             update = serde.result_update(result)
             update["detail"] = bounded_error(update["detail"]) if update["detail"] else None
+            if result.HasField("max_rel_param_diff") and math.isinf(result.max_rel_param_diff):
+                update["metrics"]["max_rel_param_diff"] = None  # strict JSON; the detail says it
+                update["detail"] = "max_rel_param_diff is infinite: a tensor plain training left at zero differs" + (
+                    f"; {update['detail']}" if update["detail"] else "")
             diverged = first_non_finite(result.loss_per_step)
             if diverged is not None:  # stored as null (the JSON stays strict) and the run failed, saying where
                 losses = [v if math.isfinite(v) else None for v in result.loss_per_step]
@@ -496,8 +501,9 @@ class Coordinator:
     def telemetry(self, agent: str, batch):
         try:
             check_telemetry_batch(batch)
-        except BoardInputError as error:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"node {agent!r}: {error}") from None
+        except BoardInputError as error:  # naming the run lets the agent park it and keep streaming the others
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"node {agent!r}, run {batch.run_id[:64]!r}: {error}") from None
         run_id = batch.run_id
         if self._run_owner.get(run_id) != agent:  # a run's board never changes: checked once per run
             self._run_owner[run_id] = self.assigned_run(agent, run_id).agent
@@ -509,7 +515,8 @@ class Coordinator:
                 run = self.store.get_run(run_id)
                 if max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
                     last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
-                    self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": last.step.loss})
+                    loss = last.step.loss if math.isfinite(last.step.loss) else None  # JSON stores no NaN
+                    self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": loss})
         return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run_id, stored_through_seq=acked)
 
 
@@ -548,7 +555,7 @@ def _page(records: list, request, to_message: Callable[[Any], Any]) -> tuple[lis
     the last): at most the request's page_size (default LIST_PAGE_SIZE, at most MAX_LIST_PAGE_SIZE) entries and at
     most LIST_PAGE_BYTES of them (one entry at least), so a reply stays far below the message limit."""
     token = request.page_token or "0"
-    if not token.isdigit() or int(token) > len(records):
+    if not (token.isascii() and token.isdigit() and len(token) <= 12) or int(token) > len(records):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                        f"page_token {request.page_token[:64]!r} is not one this coordinator gave (or the list "
                        "shrank since); start again without one")
@@ -675,20 +682,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
         except Refused as refused:
             context.abort(refused.code, refused.message)
         try:
+            # an agent keeps its stream open while it has nothing to send: no idle deadline here; the per-board cap
+            # (MAX_STREAMS_PER_NODE) bounds the threads a board's streams hold
             with c.slots.hold(name, "stream"):
-                watch = IdleWatch(c.stream_idle_s, context.cancel)  # a stream that sends nothing frees the thread
-                try:
-                    for batch in request_iterator:
-                        watch.progress()
-                        try:
-                            ack = c.telemetry(name, batch)
-                        except Refused as refused:
-                            context.abort(refused.code, refused.message)
-                        except StoreError as error:
-                            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-                        yield ack
-                finally:
-                    watch.stop()
+                for batch in request_iterator:
+                    try:
+                        ack = c.telemetry(name, batch)
+                    except Refused as refused:
+                        context.abort(refused.code, refused.message)
+                    except StoreError as error:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+                    yield ack
         except CallLimitError as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 

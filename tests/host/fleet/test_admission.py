@@ -52,35 +52,40 @@ def test_seventy_long_polls_of_one_board_leave_the_operator_answered_at_once(cer
     assert max(seconds for _, seconds in results) < 25  # none was held to its 30 s wait
 
 
-def test_idle_telemetry_streams_are_capped_and_cancelled(cert_dir, tmp_path):
-    from host.fleet.server import start_coordinator
+def test_sixty_four_silent_telemetry_streams_of_one_board_hold_two_threads(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    never = threading.Event()
 
-    running = start_coordinator("127.0.0.1:0", cert_dir, state_dir=tmp_path / "state", stream_idle_s=1.0)
-    try:
-        stub = register(cert_dir, running.port, "pi-1")
-        never = threading.Event()
+    def silent():
+        never.wait()
+        yield from ()
 
-        def silent():
-            never.wait()
-            yield from ()
+    codes: queue.Queue = queue.Queue()
 
-        calls = [stub.StreamTelemetry(silent(), timeout=60) for _ in range(64)]
-        codes = []
-        for call in calls:
-            try:
-                list(call)
-                codes.append("OK")
-            except grpc.RpcError as error:
-                codes.append(error.code().name)
-        never.set()
-        assert codes.count("RESOURCE_EXHAUSTED") >= 64 - MAX_STREAMS_PER_NODE, codes
-        assert codes.count("CANCELLED") <= MAX_STREAMS_PER_NODE, codes  # cancelled by the idle deadline
-        assert _list_agents_s(cert_dir, running.port) < QUICK_S
-        assert running.coordinator.slots.open_calls("pi-1") == 0
-        other = register(cert_dir, running.port, "pi-2")  # other boards were never affected
-        assert other.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=QUICK_S) is not None
-    finally:
-        running.stop(grace_s=0)
+    def stream(call):
+        try:
+            list(call)
+            codes.put("OK")
+        except grpc.RpcError as error:
+            codes.put(error.code().name)
+
+    calls = [stub.StreamTelemetry(silent(), timeout=60) for _ in range(64)]
+    threads = [threading.Thread(target=stream, args=(call,), daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    refused = [codes.get(timeout=30) for _ in range(64 - MAX_STREAMS_PER_NODE)]
+    assert refused == ["RESOURCE_EXHAUSTED"] * len(refused)
+    assert coordinator.coordinator.slots.open_calls("pi-1", "stream") == MAX_STREAMS_PER_NODE
+    assert _list_agents_s(cert_dir, coordinator.port) < QUICK_S
+    other = register(cert_dir, coordinator.port, "pi-2")  # other boards are not affected
+    assert other.Heartbeat(fleet_pb2.HeartbeatRequest(), timeout=QUICK_S) is not None
+    never.set()
+    for call in calls:
+        call.cancel()
+    deadline = time.monotonic() + 10
+    while coordinator.coordinator.slots.open_calls("pi-1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert coordinator.coordinator.slots.open_calls("pi-1") == 0  # a closed stream gives its slot back
 
 
 def test_call_slots_count_per_board_and_kind():

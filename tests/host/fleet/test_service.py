@@ -332,25 +332,46 @@ def test_a_result_is_checked_against_its_job_before_anything_is_stored(cert_dir,
     error = refused(lambda: stub.ReportResult(_result(run, **fields), timeout=TIMEOUT_S))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, error.details()), error.details()
-    assert coordinator.store.get_run(run.run_id).status == "running"
+    stored = coordinator.store.get_run(run.run_id)  # failed, not running: the agent drops a refused result, and
+    assert stored.status == "failed"  # a running run would be handed out and re-run forever
+    assert "the coordinator refused the board's result" in stored.detail and re.search(message, stored.detail)
+    assert stored.metrics.get("loss_per_step") is None  # nothing of the result was stored
     assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+    assert _pull(stub, wait_s=0) is None
 
 
 def test_weights_that_are_not_safetensors_are_refused_and_a_result_needs_a_pulled_job(cert_dir, coordinator):
     stub = register(cert_dir, coordinator.port, "pi-1")
-    run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_WEIGHTS)[0]
     garbage = b"garbage not safetensors"
-    result = _result(run, weights=fleet_pb2.WeightsRef(digest=hashlib.sha256(garbage).hexdigest(),
-                                                       safetensors=garbage))
-    error = refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S))  # never handed out
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is queued, not running" in error.details()
+    weights = fleet_pb2.WeightsRef(digest=hashlib.sha256(garbage).hexdigest(), safetensors=garbage)
+    for bad, says in ((weights, "not a safetensors file"),
+                      (fleet_pb2.WeightsRef(safetensors=_safetensors()), "weights.digest must be the sha256")):
+        run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_WEIGHTS)[0]
+        result = _result(run, weights=bad)
+        error = refused(lambda r=result: stub.ReportResult(r, timeout=TIMEOUT_S))  # never handed out
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "is queued, not running" in error.details()
+        _pull(stub)
+        error = refused(lambda r=result: stub.ReportResult(r, timeout=TIMEOUT_S))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and says in error.details()
+        assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+
+
+def test_bf16_weights_and_an_infinite_verify_difference_are_taken(cert_dir, coordinator):
+    import torch
+    from safetensors.torch import save
+
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"], collect=fleet_pb2.COLLECT_DELTA)[0]
     _pull(stub)
-    error = refused(lambda: stub.ReportResult(result, timeout=TIMEOUT_S))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a safetensors file" in error.details()
-    empty_digest = _result(run, weights=fleet_pb2.WeightsRef(safetensors=_safetensors()))
-    error = refused(lambda: stub.ReportResult(empty_digest, timeout=TIMEOUT_S))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "weights.digest must be the sha256" in error.details()
-    assert not (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").exists()
+    data = save({"fc.weight": torch.ones(2, 3, dtype=torch.bfloat16)})
+    stub.ReportResult(_result(run, loss_per_step=[1.0], max_rel_param_diff=float("inf"),
+                              weights=fleet_pb2.WeightsRef(digest=hashlib.sha256(data).hexdigest(),
+                                                           safetensors=data)), timeout=TIMEOUT_S)
+    stored = coordinator.store.get_run(run.run_id)
+    assert stored.status == "done" and stored.metrics["max_rel_param_diff"] is None
+    assert "max_rel_param_diff is infinite" in stored.detail
+    assert (coordinator.coordinator.results_dir / f"{run.run_id}.safetensors").read_bytes() == data
+    json.loads(json.dumps(stored.metrics, allow_nan=False))
 
 
 def test_a_diverged_loss_fails_the_run_and_its_json_stays_strict(cert_dir, coordinator):
@@ -454,6 +475,18 @@ def test_out_of_range_telemetry_is_invalid_argument_and_nothing_stored(cert_dir,
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, error.details()), error.details()
     assert coordinator.store.acked_seq(run.run_id) == 0 and coordinator.store.get_events(run.run_id) == []
+    assert run.run_id in error.details()  # the agent parks the run named and streams its others
+
+
+def test_a_nan_loss_in_telemetry_is_stored_as_null(cert_dir, coordinator):
+    stub = register(cert_dir, coordinator.port, "pi-1")
+    run = submit(cert_dir, coordinator.port, agents=["pi-1"])[0]
+    _pull(stub)
+    batch = _events(run.run_id, [1])
+    batch.events[0].step.loss = float("nan")
+    assert [a.stored_through_seq for a in stub.StreamTelemetry(iter([batch]), timeout=TIMEOUT_S)] == [1]
+    metrics = coordinator.store.get_run(run.run_id).metrics
+    assert metrics["steps_done"] == 1 and metrics["last_loss"] is None
 
 
 def test_lists_come_in_pages_by_count_and_by_bytes(cert_dir, coordinator, monkeypatch):
