@@ -15,8 +15,8 @@ which the sender, waiting for the ACK of the next seq, takes as "not received" a
 Neither applies to the hello. The frames are the same; a peer without these rules ignores such an ACK as stale.
 
 A frame waits for its ACK at least twice its time on the line (``line_bytes_per_s``, known for serial devices and
-QEMU's socket), and a copy sent on a timeout draws an ACK of its own that is not taken as "not received" for the
-next frame: a slow line never fills with copies of frames that were still crossing.
+QEMU's socket), and a copy sent on a timeout or a repeated ACK draws an ACK of its own that is not taken as "not
+received" for the next frame: a slow line never fills with copies of frames that were still crossing.
 """
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ class _Endpoint:
         self._fast_resend = False  # whether the DATA awaiting its ACK may be sent again before its timeout
         self._resend_now = False  # a damaged frame or a repeated ACK says the peer did not get it
         self._took_data = False  # a DATA (not the hello) was taken in sequence in this session
-        self._last_copies = 1  # the last DATA acknowledged: 1 + its resends on a timeout (each may draw an ACK)
+        self._last_copies = 1  # the last DATA acknowledged: 1 + its resends on a timeout or a repeated ACK
+        self._resend_on_repeat = False  # the resend due now answers a repeated ACK (not damage seen)
         self._copy_acks_due = 0  # while a DATA waits: repeated ACKs of the previous seq that answer its copies
         self._closed = False
         self._counts = dict.fromkeys(
@@ -303,19 +304,19 @@ class _Endpoint:
 
         It goes again after each ack_wait_s and, when ``fast``, as soon as the peer shows it did not get it (a
         damaged frame; a repeated ACK of the previous seq beyond the ones that answer the copies of that frame
-        sent on a timeout before its ACK came); LinkTimeoutError after max_retries timeouts (or max_retries such early resends)."""
+        sent on a timeout or a repeated ACK before its ACK came); LinkTimeoutError after max_retries timeouts (or max_retries such early resends)."""
         started = time.monotonic()
-        # a repeated ACK of the previous seq means "not received" only if the previous frame went once: after a
-        # resend of it, the peer's ACK of that second copy arrives here too and would set off a resend cascade
         self._awaiting, self._acked, self._fast_resend = seq, False, fast
-        # a copy of the previous frame sent on a timeout (not on damage seen) most likely arrives whole and
-        # draws an ACK of its own: that many repeats of its ACK answer copies, not a loss of this frame
+        # A copy of the previous frame sent on a timeout or on a repeated ACK most likely arrived whole and drew
+        # an ACK of its own: that many repeats of its ACK answer copies, not a loss of this frame (taken as a
+        # loss, each would resend this frame too, and the next, a cascade). Copies sent on damage seen are not
+        # counted: the damaged frame was as likely our DATA as its ACK.
         self._copy_acks_due = self._last_copies - 1
         wait_s = self.ack_wait_s(len(frame))
-        timeouts = early = 0
+        timeouts = early = on_repeat = 0
         try:
             while True:
-                self._resend_now = False
+                self._resend_now = self._resend_on_repeat = False
                 self._write(frame)
                 deadline = time.monotonic() + wait_s
                 while not self._acked and not self._resend_now:
@@ -325,10 +326,11 @@ class _Endpoint:
                     self._pump(remaining_s)
                     self._after_pump()
                 if self._acked:
-                    self._last_copies = 1 + timeouts
+                    self._last_copies = 1 + timeouts + on_repeat
                     return
                 if self._resend_now:
                     early += 1
+                    on_repeat += self._resend_on_repeat
                     self._counts["fast_retransmissions"] += 1
                 else:
                     timeouts += 1
@@ -337,7 +339,7 @@ class _Endpoint:
                 self._counts["frames_retransmitted"] += 1
         finally:
             self._awaiting = None
-            self._fast_resend = self._resend_now = False
+            self._fast_resend = self._resend_now = self._resend_on_repeat = False
         raise LinkTimeoutError(
             f"no ACK from the {self.peer} on {self.name} for {what or f'DATA seq {seq}'} after {timeouts + early} "
             f"transmissions over {time.monotonic() - started:.1f} s: check that the {self.peer} is powered and "
@@ -378,7 +380,7 @@ class _Endpoint:
                 self._acked = True
             elif (self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO
                   and self._fast_resend and self._copy_acks_due <= 0):
-                self._resend_now = True  # the peer repeats its last ACK: our DATA did not arrive whole
+                self._resend_now = self._resend_on_repeat = True  # the peer repeats its last ACK: not arrived whole
             elif self._awaiting is not None and frame.seq == (self._awaiting - 1) % SEQ_MODULO:
                 self._copy_acks_due -= 1  # the ACK of a copy of the previous frame
                 self._counts["frames_ignored"] += 1

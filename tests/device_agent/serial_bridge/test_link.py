@@ -740,3 +740,24 @@ def test_a_second_ack_of_a_resent_frame_does_not_resend_the_next_at_once(pool, h
     board.send(KIND_ACK, 2, SESSION)
     sent.result(timeout=5)
     assert host.counters.fast_retransmissions == 0
+
+
+def test_the_ack_of_a_copy_sent_on_a_repeated_ack_does_not_resend_the_next(pool, host_and_raw_board):
+    """A repeated ACK resends a frame at once; if the first copy had arrived after all, the peer ACKs both copies,
+    and that second ACK, arriving while the next frame waits, must not resend the next frame too (a cascade)."""
+    host, board = host_and_raw_board
+    _open(pool, host, board)
+    host.ack_timeout_s = 5.0  # every resend within the test's time is an early one
+    sent = pool.submit(host.send, b"first")
+    assert board.next_frame() == Frame(KIND_DATA, 1, SESSION, b"first")
+    board.send(KIND_ACK, 0, SESSION)  # "seq 1 did not arrive": sent again at once
+    assert board.next_frame(timeout_s=1) == Frame(KIND_DATA, 1, SESSION, b"first")
+    board.send(KIND_ACK, 1, SESSION)
+    sent.result(timeout=5)
+    sent = pool.submit(host.send, b"second")
+    assert board.next_frame() == Frame(KIND_DATA, 2, SESSION, b"second")
+    board.send(KIND_ACK, 1, SESSION)  # the ACK of the second copy of seq 1
+    assert board.silent_for(0.3), "the host sent seq 2 again on the ACK of a copy of seq 1"
+    board.send(KIND_ACK, 2, SESSION)
+    sent.result(timeout=5)
+    assert host.counters.fast_retransmissions == 1
