@@ -609,7 +609,8 @@ class _Echo:
             self.echoed += not self.board.received_hello
 
 
-@pytest.mark.parametrize("per_byte", [0.01, pytest.param(0.02, marks=pytest.mark.slow)])  # 2%: ~10 s
+@pytest.mark.parametrize("per_byte", [pytest.param(0.01, marks=pytest.mark.slow),  # 1%: ~4-10 s
+                                      pytest.param(0.02, marks=pytest.mark.slow)])  # 2%: ~15-27 s
 def test_multi_kb_messages_cross_1_and_2_percent_corrupted_bytes_in_fragments(per_byte):
     """With 4 KB frames nothing would arrive (0.99**4200 = 5e-19); in fragment_bytes_for(p) fragments every
     message does, once, in order, unchanged, both ways; ACK timeouts of tens of ms."""

@@ -26,6 +26,7 @@ def _list_agents_s(cert_dir, port) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow  # ~5 s: a flood of long polls
 def test_seventy_long_polls_of_one_board_leave_the_operator_answered_at_once(cert_dir, coordinator):
     stub = register(cert_dir, coordinator.port, "pi-1")
     outcomes: queue.Queue = queue.Queue()
@@ -52,6 +53,7 @@ def test_seventy_long_polls_of_one_board_leave_the_operator_answered_at_once(cer
     assert max(seconds for _, seconds in results) < 25  # none was held to its 30 s wait
 
 
+@pytest.mark.slow  # ~5 s: a flood of streams
 def test_sixty_four_silent_telemetry_streams_of_one_board_hold_two_threads(cert_dir, coordinator):
     stub = register(cert_dir, coordinator.port, "pi-1")
     never = threading.Event()
