@@ -591,7 +591,10 @@ class ScheduleExecutor:
     def _capture(self, program, state: _Step) -> NodeFunctions | None:
         fed, _ = self._fed(program, state)
         try:
-            functions = capture_node_functions(program, fed)
+            partition = self.partition
+            receiving = {name for name in program.output_values
+                         if name in partition.grad_senders or name == partition.loss_value}
+            functions = capture_node_functions(program, fed, receiving)
         except NodeCaptureError as error:
             functions = None
             self.autograd_nodes[program.index] = str(error)
@@ -680,8 +683,8 @@ class ScheduleExecutor:
                         )
                     grad = entry.tensor(name)
                     total = grad if total is None else total + grad
-                if total is None:  # no consumer sends one: autograd would leave this output out
-                    total = torch.zeros(shape, dtype=dtype)
+                if total is None:  # captured with receiving outputs only: a consumer always sends one
+                    raise ExecutorError(f"{partition.nodes[op.node].name!r}: no gradient reached output {name!r}")
             stride = functions.gradient_strides[len(grads)]
             if total.stride() != stride:  # the backward's views assume the layout it was traced with
                 total = torch.empty_strided(shape, stride, dtype=dtype).copy_(total)

@@ -19,7 +19,7 @@ detached copies, with the global RNG state put back afterwards, so capture chang
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +55,12 @@ class NodeFunctions:
         return (*self.params, *self.buffers, *self.constants)
 
 
-def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor]) -> NodeFunctions:
-    """Trace ``program`` on ``inputs`` (the tensors it is about to be fed) into forward and backward functions."""
+def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
+                           receiving: Collection[str] | None = None) -> NodeFunctions:
+    """Trace ``program`` on ``inputs`` (the tensors it is about to be fed) into forward and backward functions.
+
+    ``receiving``: the outputs a gradient flows back into (a consumer's backward sends one, or the loss); the
+    others leave the backward as autograd leaves them, not as zero gradients (None: every output)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import default_partition
 
@@ -75,6 +79,8 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor])
     order = [position[t] for t in targets]
     output_count = len(program.output_values)
     mutates_inputs = program.mutates_inputs
+    detached = frozenset(i for i, name in enumerate(program.output_values)
+                         if receiving is not None and name not in receiving)
 
     def joint(param_values, buffer_values, constant_values, *input_values):
         # fresh buffers and (for in-place programs) inputs: their updates are outputs, not input mutations
@@ -83,6 +89,7 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor])
             input_values = tuple(x.clone() for x in input_values)
         attributes = (*param_values, *buffer_values, *constant_values)
         outputs = lifted(*(attributes[i] for i in order), *input_values)
+        outputs = tuple(out.detach() if i in detached else out for i, out in enumerate(outputs))
         return (*outputs, *buffer_values)
 
     graphs: dict[str, GraphModule] = {}

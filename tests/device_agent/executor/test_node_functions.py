@@ -60,3 +60,56 @@ def test_a_split_with_a_random_op_in_the_backward_is_refused():
         assert not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
                        for n in functions.backward.graph.nodes)
     assert torch.equal(state, torch.get_rng_state()), "capturing drew random numbers"
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.argmax_only = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x), self.argmax_only(x)
+
+
+class _ArgmaxOfOneHead(torch.nn.Module):
+    """One node with two outputs; the second is read only by argmax, so no gradient ever reaches its head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads, self.out = _TwoHeads(), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        used, argmax_only = self.heads(x)
+        return self.out(used) + argmax_only.argmax(-1, keepdim=True).to(used.dtype)
+
+
+def test_a_head_no_gradient_reaches_keeps_no_gradient_as_in_eager(tmp_path):
+    """AdamW moves a parameter whose .grad is a zero tensor (weight decay) and leaves one whose .grad is None: the
+    head read only by argmax must come out of the backward with no gradient, as autograd leaves it."""
+    import copy
+
+    from device_agent.executor import ScheduleExecutor, make_optimizer, plain_train_step
+    from host.costs import load_profile, price_graph
+    from host.graph.partition import partition_from_traced
+    from host.graph.trace import trace_model
+    from host.graph.zoo import ModelBundle
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    torch.manual_seed(0)
+    module = _ArgmaxOfOneHead()
+    plain_module = copy.deepcopy(module)
+    bundle = ModelBundle("two_heads", module, (torch.randn(16, 8),), torch.randint(0, 4, (16,)),
+                         torch.nn.functional.cross_entropy)
+    traced = trace_model(bundle, granularity="block", block_depth=1)
+    priced = price_graph(traced.graph, load_profile("a72"))
+    schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
+    optimizer = make_optimizer("adamw", module.parameters())
+    plain_optimizer = make_optimizer("adamw", plain_module.parameters())
+    with ScheduleExecutor(partition_from_traced(traced), schedule, node_functions=True) as executor:
+        for _ in range(2):
+            executor.train_step(bundle.inputs, bundle.labels, optimizer)
+            plain_train_step(plain_module, bundle.loss_fn, bundle.inputs, bundle.labels, plain_optimizer)
+        assert executor.autograd_nodes == {}
+    assert plain_module.heads.argmax_only.weight.grad is None
+    for (name, a), b in zip(module.named_parameters(), plain_module.parameters(), strict=True):
+        assert torch.equal(a, b), name
