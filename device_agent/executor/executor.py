@@ -405,38 +405,18 @@ class ScheduleExecutor:
                 functions = self._capture(program, state)
             if functions is not None:
                 return self._forward_functions(op, state, program, functions)
-        fed: list[torch.Tensor] = []
-        leaves: dict[str, torch.Tensor] = {}
-        input_keys: dict[StorageKey, tuple[int, int]] = {}
+        fed, input_keys = self._fed(program, state)
         # Inputs require grad as in plain training even when this run's graph is dropped: some kernels
         # (matmul folding) choose their path on requires_grad, and a recompute must be bitwise the same.
         grad_inputs = set(program.grad_input_values) if program.bwd_index is not None else set()
-        for value in program.input_values:
-            if value == partition.label_value:
-                fed.append(state.labels)
-                continue
-            producer = partition.value_producer[value]
-            entry = self.ram.find(producer)
-            if entry is None:
-                raise InvalidScheduleError(
-                    f"computing {program.name!r} needs {partition.nodes[producer].name!r} in RAM, but it is not there"
-                )
-            tensor = entry.tensor(value)
-            key = storage_key(tensor)
-            if key is not None:
-                input_keys[key] = (producer, entry.views[value].storage_index)
+        leaves: dict[str, torch.Tensor] = {}
+        for position, value in enumerate(program.input_values):
             if value in grad_inputs:
-                tensor.requires_grad_(True)  # a fresh tensor object over the store's storage: our leaf
-                leaves[value] = tensor
-            fed.append(tensor.clone() if program.mutates_inputs else tensor)
+                leaves[value] = fed[position].requires_grad_(True)  # a fresh tensor over the store's storage
+            if program.mutates_inputs and value != partition.label_value:
+                fed[position] = fed[position].clone()
 
-        restore_rng = None
-        if program.random:
-            if op.recompute:
-                restore_rng = torch.get_rng_state()
-                torch.set_rng_state(state.rng_states[op.node])
-            else:
-                state.rng_states[op.node] = torch.get_rng_state()
+        restore_rng = _replay_rng(op, program, state)
         buffer_snapshot = None
         if op.recompute and program.buffers:
             buffer_snapshot = self._recompute_copies[op.node]
@@ -479,20 +459,7 @@ class ScheduleExecutor:
                 root_meta[name] = (output.shape, output.dtype)
             if name == partition.loss_value and not op.recompute:
                 state.loss = float(output.detach())
-        pinned_bytes = 0
-        if pending and program.pinned_internals:
-            pinned_keys: set[StorageKey] = set()
-            for saved in pending:  # internals stay with the graph (fixed bytes); saved outputs join the entry
-                key = storage_key(saved.tensor)
-                if key is not None and key not in output_keys:
-                    saved.node = None
-                    if key not in pinned_keys:
-                        pinned_keys.add(key)
-                        pinned_bytes += key[1]
-            pending = [saved for saved in pending if saved.node is not None]
-        for saved in pending:  # tensors the backward reads: they belong to this node's entry
-            saved.view = builder.add(saved.tensor)
-            saved.tensor = None
+        pinned_bytes = _place_saved(pending, program.pinned_internals, output_keys, builder)
         del outputs, pending
         if op.graph:
             for leaf in leaves.values():
@@ -605,13 +572,7 @@ class ScheduleExecutor:
 
     def _forward_functions(self, op: PlannedOp, state: _Step, program, functions: NodeFunctions) -> int:
         fed, input_keys = self._fed(program, state)
-        restore_rng = None
-        if program.random:
-            if op.recompute:
-                restore_rng = torch.get_rng_state()
-                torch.set_rng_state(state.rng_states[op.node])
-            else:
-                state.rng_states[op.node] = torch.get_rng_state()
+        restore_rng = _replay_rng(op, program, state)
         try:
             with torch.no_grad():
                 results = functions.forward(*functions.arguments, *fed)
@@ -637,21 +598,7 @@ class ScheduleExecutor:
         if op.graph and functions.backward is not None:
             packer = _Packer(op.node, input_keys, state.fixed_keys)
             saved = [packer.pack(t) for t in results[count + len(functions.buffers):]]
-            pending = packer.pending
-            pinned_bytes = 0
-            if pending and program.pinned_internals:
-                pinned_keys: set[StorageKey] = set()
-                for item in pending:  # internals stay with the record (fixed bytes); saved outputs join the entry
-                    key = storage_key(item.tensor)
-                    if key is not None and key not in output_keys:
-                        item.node = None
-                        if key not in pinned_keys:
-                            pinned_keys.add(key)
-                            pinned_bytes += key[1]
-                pending = [item for item in pending if item.node is not None]
-            for item in pending:  # tensors the backward reads: they belong to this node's entry
-                item.view = builder.add(item.tensor)
-                item.tensor = None
+            pinned_bytes = _place_saved(packer.pending, program.pinned_internals, output_keys, builder)
             input_meta = {name: (x.shape, x.dtype) for name, x in zip(program.input_values, fed, strict=True)
                           if name in grad_inputs}
             self._records[op.node] = _SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
@@ -818,6 +765,40 @@ class _Packer:
         saved = _Saved(self.node, None, tensor)  # created by this program: joins its entry when the run ends
         self.pending.append(saved)
         return saved
+
+
+def _replay_rng(op: PlannedOp, program, state: _Step) -> torch.Tensor | None:
+    """A random program's first run records the RNG state; a recompute replays it. Returns the state to put
+    back after a recompute (None otherwise)."""
+    if not program.random:
+        return None
+    if not op.recompute:
+        state.rng_states[op.node] = torch.get_rng_state()
+        return None
+    restore = torch.get_rng_state()
+    torch.set_rng_state(state.rng_states[op.node])
+    return restore
+
+
+def _place_saved(pending: list[_Saved], pinned_internals: bool, output_keys: set[StorageKey],
+                 builder: EntryBuilder) -> int:
+    """Saved tensors a run created: internals stay with the record when the node pins them (fixed bytes,
+    returned), the rest (saved outputs included) join the node's entry."""
+    pinned_bytes = 0
+    if pending and pinned_internals:
+        pinned_keys: set[StorageKey] = set()
+        for saved in pending:
+            key = storage_key(saved.tensor)
+            if key is not None and key not in output_keys:
+                saved.node = None
+                if key not in pinned_keys:
+                    pinned_keys.add(key)
+                    pinned_bytes += key[1]
+        pending = [saved for saved in pending if saved.node is not None]
+    for saved in pending:  # tensors the backward reads: they belong to this node's entry
+        saved.view = builder.add(saved.tensor)
+        saved.tensor = None
+    return pinned_bytes
 
 
 def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: bool) -> None:

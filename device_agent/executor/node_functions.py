@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 from device_agent.executor.errors import ExecutorError
 from device_agent.executor.partition import NodeProgram
+from device_agent.executor.split import draws_random
 
 __all__ = ["NodeFunctions", "NodeCaptureError", "capture_node_functions"]
 
@@ -124,7 +125,7 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         torch.set_rng_state(rng)
     forward = graphs["forward"]
     backward = graphs.get("backward") if differentiable else None
-    if backward is not None and _draws_random(backward):
+    if backward is not None and draws_random(backward):
         # the partitioner moved a random op into the backward: it would draw again, not replay the forward's mask
         raise NodeCaptureError(f"{program.name!r}: the split puts a random op in the backward, which would draw "
                                "new random numbers")
@@ -195,11 +196,6 @@ _RUNNING_STATISTICS = {
     torch.ops.aten.batch_norm.default: (5, 3, 4),
     torch.ops.aten.instance_norm.default: (5, 3, 4),
 }
-
-
-def _draws_random(gm: GraphModule) -> bool:
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and torch.Tag.nondeterministic_seeded in n.target.tags for n in gm.graph.nodes)
 
 
 def _output_count(gm: GraphModule) -> int:

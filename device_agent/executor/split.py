@@ -29,8 +29,8 @@ from device_agent.executor.partition import (
 )
 
 __all__ = [
-    "GroupSpec", "PartitionSpec", "SplitError", "VIEW_OPS", "MAYBE_VIEW_OPS", "build_group_module", "drop_unused_ops",
-    "get_attr", "is_guard", "is_view", "make_schedulable", "op_name", "partition_from_program", "program_call_nodes",
+    "GroupSpec", "PartitionSpec", "SplitError", "VIEW_OPS", "MAYBE_VIEW_OPS", "build_group_module", "draws_random",
+    "drop_unused_ops", "get_attr", "is_guard", "is_view", "make_schedulable", "op_name", "partition_from_program", "program_call_nodes",
     "rewrite_inplace",
 ]  # fmt: skip
 
@@ -270,7 +270,7 @@ def partition_from_program(gm: GraphModule, spec: PartitionSpec,
             bwd_index=group.bwd_index,
             grad_input_values=group.grad_reads,
             pinned_internals=group.pinned_internals,
-            random=_draws_random(module),
+            random=draws_random(module),
             mutates_inputs=_mutates_inputs(module),
         )
     fixed = unique_by_identity(
@@ -300,7 +300,8 @@ def _has_attr(gm: GraphModule, target: str) -> bool:
     return True
 
 
-def _draws_random(module: GraphModule) -> bool:
+def draws_random(module: GraphModule) -> bool:
+    """Whether an op of ``module`` draws from the global RNG (dropout, bernoulli, rand...)."""
     return any(
         n.op == "call_function"
         and isinstance(n.target, torch._ops.OpOverload)

@@ -445,9 +445,7 @@ class RunStore:
         _check_kind(kind)
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
-            if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is not None:
-                raise StoreError(f"job {job_id!r} exists already")
-            conn.execute(sa.insert(jobs).values(job_id=job_id, kind=kind, spec=dict(spec), created_at_s=now_s))
+            _insert_job(conn, job_id, kind, spec, now_s)
         return JobRecord(job_id, kind, dict(spec), now_s)
 
     def get_job(self, job_id: str) -> JobRecord:
@@ -470,14 +468,9 @@ class RunStore:
             _refuse_removed(self._agent_row(conn, agent))
             if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
                 raise StoreError(f"run {run_id!r}: no job {job_id!r} (create_job first)")
-            if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is not None:
-                raise StoreError(f"run {run_id!r} exists already")
-            conn.execute(sa.insert(runs).values(
-                run_id=run_id, job_id=job_id, agent=agent, kind=kind, status=status,
-                ram_budget_bytes=ram_budget_bytes, schedule_fingerprint=schedule_fingerprint,
-                predicted=None if predicted is None else dict(predicted), measured=None, metrics={}, detail=detail,
-                events_stored=0, events_acked_seq=0, created_at_s=now_s, updated_at_s=now_s,
-            ))
+            _insert_run(conn, {"run_id": run_id, "agent": agent, "status": status, "ram_budget_bytes": ram_budget_bytes,
+                               "schedule_fingerprint": schedule_fingerprint, "predicted": predicted,
+                               "detail": detail}, job_id, kind, now_s)
             return _run(self._run_row(conn, run_id))
 
     def create_submission(self, job_id: str, kind: str, spec: Mapping[str, Any], run_specs: list[Mapping[str, Any]],
@@ -490,23 +483,10 @@ class RunStore:
         _check_kind(kind)
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
-            if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is not None:
-                raise StoreError(f"job {job_id!r} exists already")
-            conn.execute(sa.insert(jobs).values(job_id=job_id, kind=kind, spec=dict(spec), created_at_s=now_s))
+            _insert_job(conn, job_id, kind, spec, now_s)
             for run in run_specs:
-                status = run.get("status", "queued")
-                _check_status(status)
                 _refuse_removed(self._agent_row(conn, run["agent"]))
-                if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run["run_id"])).first() is not None:
-                    raise StoreError(f"run {run['run_id']!r} exists already")
-                predicted = run.get("predicted")
-                conn.execute(sa.insert(runs).values(
-                    run_id=run["run_id"], job_id=job_id, agent=run["agent"], kind=kind, status=status,
-                    ram_budget_bytes=run.get("ram_budget_bytes"), schedule_fingerprint=run.get("schedule_fingerprint"),
-                    predicted=None if predicted is None else dict(predicted), measured=None,
-                    metrics=dict(run.get("metrics") or {}), detail=run.get("detail"), events_stored=0,
-                    events_acked_seq=0, created_at_s=now_s, updated_at_s=now_s,
-                ))
+                _insert_run(conn, run, job_id, kind, now_s)
             return [_run(self._run_row(conn, run["run_id"])) for run in run_specs]
 
     def update_run(
@@ -750,6 +730,28 @@ def _set_wal(cursor) -> None:
         if time.monotonic() > deadline_s:
             raise StoreError("the SQLite run store could not be switched to WAL mode (another process holds it)")
         time.sleep(0.01)
+
+
+def _insert_job(conn: sa.Connection, job_id: str, kind: str, spec: Mapping[str, Any], now_s: float) -> None:
+    if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is not None:
+        raise StoreError(f"job {job_id!r} exists already")
+    conn.execute(sa.insert(jobs).values(job_id=job_id, kind=kind, spec=dict(spec), created_at_s=now_s))
+
+
+def _insert_run(conn: sa.Connection, run: Mapping[str, Any], job_id: str, kind: str, now_s: float) -> None:
+    """One new run (keys as RunStore.create_submission's run specs); its job exists, its agent was checked."""
+    status = run.get("status", "queued")
+    _check_status(status)
+    if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run["run_id"])).first() is not None:
+        raise StoreError(f"run {run['run_id']!r} exists already")
+    predicted = run.get("predicted")
+    conn.execute(sa.insert(runs).values(
+        run_id=run["run_id"], job_id=job_id, agent=run["agent"], kind=kind, status=status,
+        ram_budget_bytes=run.get("ram_budget_bytes"), schedule_fingerprint=run.get("schedule_fingerprint"),
+        predicted=None if predicted is None else dict(predicted), measured=None,
+        metrics=dict(run.get("metrics") or {}), detail=run.get("detail"), events_stored=0, events_acked_seq=0,
+        created_at_s=now_s, updated_at_s=now_s,
+    ))
 
 
 def _refuse_removed(row: sa.Row) -> None:

@@ -47,7 +47,7 @@ def test_verify_fails_when_parameters_differ(capfd, tmp_path, monkeypatch):
     """Sabotage the RNG replay: the recomputed dropout mask changes, verify notices and exits non-zero."""
     import device_agent.executor.split as partition
 
-    monkeypatch.setattr(partition, "_draws_random", lambda module: False)
+    monkeypatch.setattr(partition, "draws_random", lambda module: False)
     argv = ["verify", "--model", f"{__name__}:dropout_mlp", "--input-shape", "8,32", "--platform", "a72",
             "--ram-budget", "75%", "--no-paging", "--flash-dir", str(tmp_path), "--json"]
     code, out, _ = run_main(capfd, *argv)
