@@ -22,7 +22,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# constraints.txt pins the CPU wheel of exactly torch 2.13.0; pyproject's range alone pulls a CUDA build.
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# the flower extra: flwr beside poet-edge in one environment (pip check clean; see pyproject.toml)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,flower]"
 	@touch $(STAMP)
 
 demo: setup

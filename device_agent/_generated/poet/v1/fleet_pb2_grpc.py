@@ -5,7 +5,7 @@ import warnings
 
 from device_agent._generated.poet.v1 import fleet_pb2 as poet_dot_v1_dot_fleet__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class FleetStub:
+class FleetStub(object):
     """------------------------------------------------------------------------------------------ agents
 
     """
@@ -68,7 +68,7 @@ class FleetStub:
                 _registered_method=True)
 
 
-class FleetServicer:
+class FleetServicer(object):
     """------------------------------------------------------------------------------------------ agents
 
     """
@@ -154,7 +154,7 @@ def add_FleetServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Fleet:
+class Fleet(object):
     """------------------------------------------------------------------------------------------ agents
 
     """
@@ -322,7 +322,7 @@ class Fleet:
             _registered_method=True)
 
 
-class FleetAdminStub:
+class FleetAdminStub(object):
     """------------------------------------------------------------------------------------------ operators
 
     """
@@ -378,9 +378,19 @@ class FleetAdminStub:
                 request_serializer=poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.SerializeToString,
                 response_deserializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
                 _registered_method=True)
+        self.StatModel = channel.unary_unary(
+                '/poet.v1.FleetAdmin/StatModel',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.StatModelRequest.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.StatModelReply.FromString,
+                _registered_method=True)
+        self.UploadModel = channel.stream_unary(
+                '/poet.v1.FleetAdmin/UploadModel',
+                request_serializer=poet_dot_v1_dot_fleet__pb2.ModelUpload.SerializeToString,
+                response_deserializer=poet_dot_v1_dot_fleet__pb2.StatModelReply.FromString,
+                _registered_method=True)
 
 
-class FleetAdminServicer:
+class FleetAdminServicer(object):
     """------------------------------------------------------------------------------------------ operators
 
     """
@@ -440,6 +450,22 @@ class FleetAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StatModel(self, request, context):
+        """A model the operator traced on its own side (`poet run --model module:callable`): the coordinator never
+        imports an operator's code. Content-addressed and resumable, as boards fetch models: StatModel says how
+        much of an archive the coordinator holds, UploadModel sends the rest; the whole archive must hash to its
+        digest and pass the checks boards apply before it is stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadModel(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -488,6 +514,16 @@ def add_FleetAdminServicer_to_server(servicer, server):
                     request_deserializer=poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.FromString,
                     response_serializer=poet_dot_v1_dot_fleet__pb2.CalibrationInfo.SerializeToString,
             ),
+            'StatModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.StatModel,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.StatModelRequest.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.StatModelReply.SerializeToString,
+            ),
+            'UploadModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadModel,
+                    request_deserializer=poet_dot_v1_dot_fleet__pb2.ModelUpload.FromString,
+                    response_serializer=poet_dot_v1_dot_fleet__pb2.StatModelReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'poet.v1.FleetAdmin', rpc_method_handlers)
@@ -496,7 +532,7 @@ def add_FleetAdminServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class FleetAdmin:
+class FleetAdmin(object):
     """------------------------------------------------------------------------------------------ operators
 
     """
@@ -734,6 +770,60 @@ class FleetAdmin:
             '/poet.v1.FleetAdmin/GetCalibration',
             poet_dot_v1_dot_fleet__pb2.GetCalibrationRequest.SerializeToString,
             poet_dot_v1_dot_fleet__pb2.CalibrationInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/poet.v1.FleetAdmin/StatModel',
+            poet_dot_v1_dot_fleet__pb2.StatModelRequest.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.StatModelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/poet.v1.FleetAdmin/UploadModel',
+            poet_dot_v1_dot_fleet__pb2.ModelUpload.SerializeToString,
+            poet_dot_v1_dot_fleet__pb2.StatModelReply.FromString,
             options,
             channel_credentials,
             insecure,
