@@ -8,7 +8,6 @@ the problem and the fix (exit 2).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -28,11 +27,9 @@ from host.cli.common import (
     seed_int,
 )
 from host.cli.display import format_bytes
+from host.fleet.client import CERTS_ENV, COORDINATOR_ENV, OperatorClient
 
 EXIT_RUN_FAILED = 6  # a run ended failed, or a board's budget is below the schedule's floor (does_not_fit)
-COORDINATOR_ENV, CERTS_ENV = "POET_COORDINATOR", "POET_CERTS"
-CALL_TIMEOUT_S = 30.0
-SUBMIT_TIMEOUT_S = 900.0  # tracing plus one solve per distinct board (each bounded by the coordinator's limit)
 POLL_INTERVAL_S = 1.0
 FINISHED = ("done", "failed", "does_not_fit")
 
@@ -75,74 +72,20 @@ def cmd_serve(args, console: Console) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the operator's client
-class Operator:
-    """Stubs of FleetAdmin over a mutual-TLS channel; gRPC errors become CliErrors."""
-
-    def __init__(self, args):
-        import grpc
-
-        from device_agent import protos
-        from host.fleet.certs import CertError, channel_credentials
-        from host.fleet.limits import MAX_MESSAGE_BYTES
-
-        self.target = args.coordinator or os.environ.get(COORDINATOR_ENV)
-        certs = args.certs or os.environ.get(CERTS_ENV)
-        missing = [f"--coordinator HOST:PORT (or {COORDINATOR_ENV})" if not self.target else None,
-                   f"--certs DIR, an operator bundle from `poet certs issue --operator NAME` (or {CERTS_ENV})"
-                   if not certs else None]
-        missing = [m for m in missing if m]
-        if missing:
-            raise CliError(f"where is the coordinator? give {' and '.join(missing)}")
-        try:
-            credentials = channel_credentials(certs)
-        except CertError as error:
-            raise CliError(str(error)) from None
-        self.pb = protos.load("poet.v1.fleet_pb2")
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.secure_channel(self.target, credentials, options=options)
-        self.stub = protos.load("poet.v1.fleet_pb2_grpc").FleetAdminStub(self.channel)
-
-    def call(self, method: str, request, timeout_s: float = CALL_TIMEOUT_S):
-        import grpc
-
-        try:
-            return getattr(self.stub, method)(request, timeout=timeout_s)
-        except grpc.RpcError as error:
-            raise CliError(self.explain(error)) from None
-
-    def call_pages(self, method: str, request, field: str) -> list:
-        """Every entry of a paged list call (``field`` of each reply), page after page."""
-        entries: list = []
-        while True:
-            reply = self.call(method, request)
-            entries.extend(getattr(reply, field))
-            if not reply.next_page_token:
-                return entries
-            request.page_token = reply.next_page_token
-
-    def explain(self, error) -> str:
-        import grpc
-
-        code, details = error.code(), (error.details() or "").strip()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return (f"coordinator not reachable at {self.target} ({details}); is `poet serve` running there, and "
-                    f"is --coordinator/{COORDINATOR_ENV} right?")
-        if code == grpc.StatusCode.PERMISSION_DENIED:
-            return f"refused by the coordinator: {details}"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"the coordinator at {self.target} did not answer in time; try again (or check its log)"
-        return details or f"the coordinator answered {code.name}"
-
-    def close(self) -> None:
-        self.channel.close()
-
-
 def _with_operator(function):
+    """Run a command with an OperatorClient (host/fleet/client.py) built from --coordinator/--certs; its errors
+    become CliErrors."""
+    from host.fleet.client import FleetClientError, OperatorClient
+
     def command(args, console: Console) -> int:
-        operator = Operator(args)
+        try:
+            operator = OperatorClient.from_settings(args.coordinator, args.certs)
+        except FleetClientError as error:
+            raise CliError(str(error)) from None
         try:
             return function(args, console, operator)
+        except FleetClientError as error:
+            raise CliError(str(error)) from None
         finally:
             operator.close()
 
@@ -151,7 +94,7 @@ def _with_operator(function):
 
 # ------------------------------------------------------------------------------------------ fleet
 @_with_operator
-def cmd_fleet_list(args, console: Console, op: Operator) -> int:
+def cmd_fleet_list(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import agent_info_to_json
 
     agents = [agent_info_to_json(a) for a in op.call_pages("ListAgents", op.pb.ListAgentsRequest(), "agents")]
@@ -172,7 +115,7 @@ def cmd_fleet_list(args, console: Console, op: Operator) -> int:
 
 
 @_with_operator
-def cmd_fleet_remove(args, console: Console, op: Operator) -> int:
+def cmd_fleet_remove(args, console: Console, op: OperatorClient) -> int:
     reply = op.call("RemoveAgent", op.pb.RemoveAgentRequest(name=args.name))
     if not reply.removed:
         raise CliError(f"no agent named {args.name!r} (see `poet fleet list`)")
@@ -203,7 +146,7 @@ parse_ram_budget.__name__ = "RAM budget"
 
 
 @_with_operator
-def cmd_run(args, console: Console, op: Operator) -> int:
+def cmd_run(args, console: Console, op: OperatorClient) -> int:
     from host.fleet import serde
 
     if args.kind != "profile":
@@ -226,7 +169,7 @@ def cmd_run(args, console: Console, op: Operator) -> int:
         request.ram_budget.CopyFrom(args.ram_budget)
     console.log(f"submitting {args.kind} of {args.model or 'a profile'} to "
                 f"{'every online board' if args.all else ', '.join(agents)} (the coordinator solves per board)")
-    runs = list(op.call("SubmitRun", request, timeout_s=SUBMIT_TIMEOUT_S).runs)
+    runs = op.submit(request, log=console.log)
     if args.wait:
         runs = _wait(op, runs, console)
     entries = [serde.run_info_to_json(r) for r in runs]
@@ -237,7 +180,7 @@ def cmd_run(args, console: Console, op: Operator) -> int:
     return EXIT_RUN_FAILED if any(e["status"] in ("failed", "does_not_fit") for e in entries) else EXIT_OK
 
 
-def _wait(op: Operator, runs: list, console: Console) -> list:
+def _wait(op: OperatorClient, runs: list, console: Console) -> list:
     """Poll the runs until each is done, failed or does_not_fit; progress per board on stderr."""
     from host.fleet.serde import RUN_STATUS_FROM_PB
 
@@ -296,7 +239,7 @@ def _short_bytes(value) -> str:
 
 # ------------------------------------------------------------------------------------------ runs
 @_with_operator
-def cmd_runs_list(args, console: Console, op: Operator) -> int:
+def cmd_runs_list(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import run_info_to_json
 
     entries = [run_info_to_json(r) for r in op.call_pages("ListRuns", op.pb.ListRunsRequest(), "runs")]
@@ -315,7 +258,7 @@ def cmd_runs_list(args, console: Console, op: Operator) -> int:
 
 
 @_with_operator
-def cmd_runs_show(args, console: Console, op: Operator) -> int:
+def cmd_runs_show(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import run_info_to_json
 
     entry = run_info_to_json(op.call("GetRun", op.pb.GetRunRequest(run_id=args.run_id)))
@@ -333,7 +276,7 @@ def cmd_runs_show(args, console: Console, op: Operator) -> int:
 
 # ------------------------------------------------------------------------------------------ profiles
 @_with_operator
-def cmd_profiles_list(args, console: Console, op: Operator) -> int:
+def cmd_profiles_list(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import profile_info_to_json
 
     reply = op.call("ListProfiles", op.pb.ListProfilesRequest(agent=args.agent or ""))
@@ -358,7 +301,7 @@ def cmd_profiles_list(args, console: Console, op: Operator) -> int:
 
 
 @_with_operator
-def cmd_profiles_show(args, console: Console, op: Operator) -> int:
+def cmd_profiles_show(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import profile_info_to_json
 
     entry = profile_info_to_json(op.call("GetProfile", op.pb.GetProfileRequest(agent=args.agent,
@@ -377,7 +320,7 @@ def cmd_profiles_show(args, console: Console, op: Operator) -> int:
 
 
 @_with_operator
-def cmd_profiles_diff(args, console: Console, op: Operator) -> int:
+def cmd_profiles_diff(args, console: Console, op: OperatorClient) -> int:
     from host.fleet.serde import profile_info_to_json
 
     a, b = (profile_info_to_json(op.call("GetProfile", op.pb.GetProfileRequest(agent=args.agent, version=v)))
@@ -435,7 +378,7 @@ def _utc(unix_s: float) -> str:
 
 # ------------------------------------------------------------------------------------------ calibrate
 @_with_operator
-def cmd_calibrate(args, console: Console, op: Operator) -> int:
+def cmd_calibrate(args, console: Console, op: OperatorClient) -> int:
     import json
 
     models = [m.strip() for m in (args.models or "").split(",") if m.strip()]
@@ -569,15 +512,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     run = sub.add_parser(
         "run", help="train, verify or profile on boards of the fleet",
-        description="Submit a run to boards: the coordinator packages the model, gives each board its RAM budget, "
-                    "solves a schedule per board on that board's profile (its measured one, else its platform's, "
+        description="Submit a run to boards: a module:callable model is traced here and its archive uploaded (the "
+                    "coordinator never runs your code; a zoo model it traces itself); the coordinator gives each "
+                    "board its RAM budget, solves a schedule per board on that board's profile (its measured one, else its platform's, "
                     f"else this machine's; {SOLVE_TIME_LIMIT_S:g} s limit per distinct schedule; identical boards "
                     "share one solve) and queues one run per board. The data stays on the boards.",
         epilog=f"Exit codes: 0 every run queued (or, with --wait, done); {EXIT_RUN_FAILED} a run failed or does not "
                f"fit its board (does_not_fit, with the minimum budget); 2 bad input, or the coordinator refused or "
                f"is unreachable; 130/143 interrupted (the runs go on). The coordinator and bundle come from "
                f"--coordinator/--certs or ${COORDINATOR_ENV}/${CERTS_ENV}.")
-    run.add_argument("--model", help="zoo name (see `poet models`) or package.module:factory, resolved on the coordinator "
+    run.add_argument("--model", help="zoo name (see `poet models`), resolved on the coordinator, or "
+                          "package.module:factory, traced here and uploaded (the coordinator never runs your code) "
                           "(no default: required for train and verify)")
     run.add_argument("--dataset", metavar="NAME", help="dataset directory name under each agent's --data-dir (no default: required for train and verify)")
     run.add_argument("--steps", type=positive_int, metavar="N", help="training steps, >= 1 (no default: required for train and verify)")
@@ -675,7 +620,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                f"--coordinator/--certs or ${COORDINATOR_ENV}/${CERTS_ENV}.")
     calibrate.add_argument("--agent", required=True, metavar="NAME", help="the board (see `poet fleet list`)")
     calibrate.add_argument("--models", metavar="A,B",
-                           help=f"calibration models, zoo names or module:callable (default: {','.join(DEFAULT_MODELS)})")
+                           help=f"calibration models, zoo names (see `poet models`) (default: {','.join(DEFAULT_MODELS)})")
     calibrate.add_argument("--steps", type=positive_int, metavar="N",
                            help=f"steps per calibration run, >= 4 (default {DEFAULT_STEPS})")
     calibrate.add_argument("--batch-size", type=positive_int, metavar="B",

@@ -142,8 +142,7 @@ def stored_runs(coordinator, run_ids: Iterable[str]) -> list:
     from device_agent.serde import schedule_from_json
 
     def graph_for_run(record):
-        spec = coordinator.spec(record.job_id)
-        return coordinator.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
+        return coordinator.job_graph(coordinator.spec(record.job_id))
 
     def schedule_for_run(record):
         spec = coordinator.spec(record.job_id)
@@ -225,6 +224,13 @@ def start_calibration(coordinator, request, *, operator: str):
                        f"calibration runs need at least {MIN_STEPS} steps (a warm-up step, a fitted half and a "
                        f"held-out half); got {steps}")
     models = [m for m in dict.fromkeys(request.models) if m] or list(DEFAULT_MODELS)
+    from host.graph.zoo import ZOO
+
+    foreign = [m for m in models if m not in ZOO]
+    if foreign:  # a module:callable would be imported here: the coordinator never runs an operator's code
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"calibration model {foreign[0][:200]!r} is not a zoo model; calibrate with zoo models (see "
+                      "`poet models`)")
     calibrations = _registry(coordinator)
     with _START_LOCK:
         busy = [c for c in calibrations.values() if c.agent == request.agent and c.status == "running"]

@@ -3,6 +3,7 @@
 MIB = 1024 * 1024
 MAX_MESSAGE_BYTES = 8 * MIB  # gRPC messages, both directions; a model travels in MODEL_CHUNK_BYTES chunks
 MODEL_CHUNK_BYTES = 1 * MIB
+MAX_MODEL_BYTES = 4 * 1024 * MIB  # an archive an operator uploads (`poet run --model module:callable`)
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TIMEOUT_S = 10.0  # an agent not seen for this long is listed as offline (5 missed heartbeats)
 MAX_PULL_WAIT_S = 30.0  # the longest a PullJob long poll is held open

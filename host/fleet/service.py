@@ -10,6 +10,10 @@ coordinator restarted on the same store (even after kill -9) hands out the same 
 - model archives are ``STATE_DIR/models/<sha256>.pt2``; collected weights
   ``STATE_DIR/results/<run_id>.safetensors``.
 
+Models: a zoo name is traced here; a ``module:callable`` never is (its import would run the operator's code in the
+coordinator): `poet run` traces it on the operator's side and uploads the archive (host/fleet/uploads.py), which is
+checked as boards check it before anything is solved on it.
+
 Budgets: ``--ram-budget auto`` gives a board (its memory limit, or its available RAM without one)
 minus the fixed bytes (weights, their gradients, optimizer state, the batch) minus the torch
 runtime's resident memory it measured minus :data:`AUTO_MARGIN_BYTES`. Schedules are cached by
@@ -58,6 +62,7 @@ from host.fleet.store import (
     UnknownAgentError,
     UnknownRunError,
 )
+from host.fleet.uploads import UploadedArchives, UploadError
 from host.fleet.validation import (
     BoardInputError,
     bounded_error,
@@ -76,6 +81,9 @@ DEFAULT_RUNTIME_FACTOR = 1.2
 DEFAULT_LR = 0.01
 DEFAULT_CHECKPOINT_EVERY_STEPS = 0  # 0: the agent's default
 NODE, OPERATOR = "node", "operator"
+UPLOAD_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "corrupt": grpc.StatusCode.DATA_LOSS,
+                 "busy": grpc.StatusCode.ABORTED, "missing": grpc.StatusCode.FAILED_PRECONDITION,
+                 "full": grpc.StatusCode.RESOURCE_EXHAUSTED}
 MODELS_DIR, RESULTS_DIR = "models", "results"
 
 
@@ -113,6 +121,7 @@ class Coordinator:
         self.results_dir = self.state_dir / RESULTS_DIR
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self.results_dir.mkdir(parents=True, exist_ok=True)
+        self.uploads = UploadedArchives(self.models_dir)
         self._packager = packager
         self._local_profile_factory = local_profile
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -231,6 +240,15 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------ submit
     def package(self, model: str, batch_size: int | None, seed: int):
+        """A zoo model traced here (memoized). Anything else would be the operator's code: refused, never imported."""
+        from host.graph.resolve import POET2022_PREFIX
+        from host.graph.zoo import ZOO
+
+        if model not in ZOO and not model.startswith(POET2022_PREFIX):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model {model[:200]!r} is not a zoo model (see `poet models`); the coordinator never "
+                          "imports an operator's code: `poet run --model module:callable` traces it on your side and "
+                          "uploads the archive (update poet-edge on the machine you submit from)")
         key = (model, batch_size, seed)
         with self._package_lock:
             package = self._packages.get(key)
@@ -241,6 +259,25 @@ class Coordinator:
                 package = packager(model, self.models_dir, batch_size=batch_size, seed=seed)
                 self._packages[key] = package
             return package
+
+    def model_package(self, request):
+        """The package a submission names: the operator's uploaded archive, checked as a board checks it, or a zoo
+        model traced here."""
+        if not request.HasField("uploaded_model"):
+            return self.package(request.model, request.batch_size or None, request.seed)
+        try:
+            return self.uploads.package(request.model or request.uploaded_model.digest[:12], request.uploaded_model)
+        except UploadError as error:
+            raise Refused(UPLOAD_STATUS[error.kind], str(error)) from None
+
+    def job_graph(self, spec: dict[str, Any]):
+        """The TrainingGraph a job's schedules were solved on (stored with the job; a job stored before that: its zoo
+        model traced again)."""
+        from host.graph.training_graph import TrainingGraph
+
+        if spec.get("graph"):
+            return TrainingGraph.from_dict(spec["graph"])
+        return self.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
 
     def board_profile(self, agent, pinned_version: int = 0):
         """(profile, which) for a board: a pinned stored version, else its latest stored version, else the shipped
@@ -400,7 +437,7 @@ class Coordinator:
             plans = [BoardPlan(a.name, "queued", None, None, None, None, None, {}, None) for a in boards]
         else:
             try:
-                package = self.package(request.model, request.batch_size or None, request.seed)
+                package = self.model_package(request)
                 for agent in boards:
                     plan, text = self.plan_board(agent, package.graph, request, optimizer, runtime_factor)
                     plans.append(plan)
@@ -410,7 +447,8 @@ class Coordinator:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
             spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
                         grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,
-                        graph_fingerprint=package.graph.fingerprint())
+                        graph_fingerprint=package.graph.fingerprint(), graph=package.graph.to_dict(),
+                        uploaded=request.HasField("uploaded_model"))
         job_id = f"job-{uuid.uuid4().hex[:12]}"
         run_specs = []
         for plan in plans:
@@ -783,6 +821,34 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
         from host.fleet.calibration import calibration_info
 
         return calibration_info(self.coordinator, request.calibration_id)
+
+    @_handler(OPERATOR)
+    def StatModel(self, request, context, name):
+        uploads = self.coordinator.uploads
+        try:
+            stored, received = uploads.stat(request.digest)
+        except UploadError as error:
+            raise Refused(UPLOAD_STATUS[error.kind], str(error)) from None
+        return fleet_pb2.StatModelReply(stored=stored, received_bytes=received, max_size_bytes=uploads.max_size_bytes)
+
+    @_handler(OPERATOR)
+    def UploadModel(self, request_iterator, context, name):
+        uploads = self.coordinator.uploads
+        first = next(request_iterator, None)
+        if first is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload without chunks: send the archive's chunks")
+        try:
+            stored, received = uploads.receive(first.digest, _chain(first, request_iterator))
+        except UploadError as error:
+            raise Refused(UPLOAD_STATUS[error.kind], str(error)) from None
+        if stored:
+            log.info("%s uploaded model %s", name, first.digest)
+        return fleet_pb2.StatModelReply(stored=stored, received_bytes=received, max_size_bytes=uploads.max_size_bytes)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
 
 
 def add_services(server: grpc.Server, coordinator: Coordinator) -> None:

@@ -104,7 +104,9 @@ def test_services_have_the_methods_and_streaming_shapes():
                       "FetchModel": (False, True), "StreamTelemetry": (True, True), "ReportResult": (False, False)}
     admin = fleet.DESCRIPTOR.services_by_name["FleetAdmin"]
     assert {m.name for m in admin.methods} == {"ListAgents", "RemoveAgent", "SubmitRun", "ListRuns", "GetRun",
-                                                  "ListProfiles", "GetProfile", "Calibrate", "GetCalibration"}
+                                                  "ListProfiles", "GetProfile", "Calibrate", "GetCalibration",
+                                                  "StatModel", "UploadModel"}
+    assert {m.name: (m.client_streaming, m.server_streaming) for m in admin.methods}["UploadModel"] == (True, False)
     assert hasattr(fleet_grpc, "FleetStub") and hasattr(fleet_grpc, "FleetAdminServicer")
 
 

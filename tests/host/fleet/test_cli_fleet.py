@@ -28,10 +28,10 @@ RUN_FIELDS = {"run_id", "agent", "status", "ram_budget_bytes", "schedule_fingerp
 class Served:
     """`poet serve` as a subprocess; stderr drained into ``lines`` so the pipe never fills."""
 
-    def __init__(self, cert_dir, state_dir):
+    def __init__(self, cert_dir, state_dir, env_extra=None):
         self.process = subprocess.Popen(
             [str(POET), "serve", "--listen", "127.0.0.1:0", "--certs", str(cert_dir), "--state-dir", str(state_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env())
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env() | (env_extra or {}))
         self.lines: list[str] = []
         self.listening: list[str] = []
         ready = threading.Event()

@@ -516,15 +516,13 @@ def test_lists_come_in_pages_by_count_and_by_bytes(cert_dir, coordinator, monkey
     assert len(runs.runs) == 1 and runs.next_page_token == "1"
 
 
-def test_the_operator_cli_gathers_every_page(cert_dir, coordinator, monkeypatch):
-    from types import SimpleNamespace
-
-    from host.cli.fleet import Operator
+def test_the_operator_client_gathers_every_page(cert_dir, coordinator, monkeypatch):
+    from host.fleet.client import OperatorClient
 
     for name in ("pi-1", "pi-2", "pi-3"):
         register(cert_dir, coordinator.port, name)
     monkeypatch.setattr(service, "LIST_PAGE_BYTES", 1)  # one agent per page
-    op = Operator(SimpleNamespace(coordinator=f"127.0.0.1:{coordinator.port}", certs=str(cert_dir / "alice")))
+    op = OperatorClient(f"127.0.0.1:{coordinator.port}", cert_dir / "alice")
     agents = op.call_pages("ListAgents", op.pb.ListAgentsRequest(), "agents")
     assert [a.name for a in agents] == ["pi-1", "pi-2", "pi-3"]
 
