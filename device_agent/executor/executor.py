@@ -30,6 +30,14 @@ import torch
 
 from device_agent.executor.allocator import malloc_trim
 from device_agent.executor.errors import BudgetExceededError, ExecutorError, InvalidScheduleError, MissingTensorError
+from device_agent.executor.lowering import (
+    BackwardNote,
+    ForwardNote,
+    LoweredStep,
+    LoweringNotes,
+    LoweringRuntime,
+    lower_step,
+)
 from device_agent.executor.node_functions import NodeCaptureError, NodeFunctions, capture_node_functions
 from device_agent.executor.page_store import (
     FlashPageStore,
@@ -125,6 +133,7 @@ class StepResult:
     peak_tracked_bytes: int
     counters: Counters
     summary: StepSummary
+    lowered: bool = False  # ran as the straight-line program (lowering.py), not instruction by instruction
 
 
 @dataclass
@@ -134,11 +143,13 @@ class _Step:
     inputs: tuple[torch.Tensor, ...]
     labels: torch.Tensor
     loss_divisor: int  # micro-batches per optimizer step (gradient accumulation)
-    fixed_keys: set[StorageKey]  # storages of parameters, buffers, constants and labels: never scheduled
+    fixed_keys: set[StorageKey] = field(default_factory=set)  # of parameters, buffers, constants, labels (interpreted)
     counters: Counters = field(default_factory=Counters)
     loss: float = float("nan")
     rng_states: dict[int, torch.Tensor] = field(default_factory=dict)  # random node -> RNG state of its first run
     hook_error: BaseException | None = None  # raised inside autograd's unpack hook, re-raised as is
+    position: int = 0  # of the instruction running
+    notes: LoweringNotes | None = None  # what the lowering needs, noted when this step is to be lowered
 
 
 # ----------------------------------------------------------------------------- executor
@@ -180,7 +191,8 @@ class ScheduleExecutor:
         # Per-instruction CPU time and energy (two meter readings each) for every instruction, not only for the
         # page transfers: calibration fits wall times and the transfers' CPU share, so training needs neither.
         self.instrumented = instrumented
-        self.events = events if events is not None else EventStream()
+        # Without a stream of the caller's, only step summaries are kept (instruction events cost time to make)
+        self.events = events if events is not None else EventStream(keep=False)
         self.energy_meter = energy_meter
         self.rss = RssSampler()
         self.ram = RamStore()
@@ -205,6 +217,13 @@ class ScheduleExecutor:
         self.node_functions = node_functions
         self._functions: dict[int, NodeFunctions | None] = {}
         self.autograd_nodes: dict[int, str] = {}  # node -> why it runs under autograd
+        # With node functions, every step after the first of a batch shape runs as one straight-line program
+        # (lowering.py), generated from what that first, interpreted step noted.
+        self._shape_key: tuple | None = None
+        self._lowered: LoweredStep | None = None
+        self._lowered_counters = Counters()
+        self._lowered_peak_pinned_bytes = 0
+        self._lowered_state: _Step | None = None
         self._log = log
         self.pinned_bytes = 0  # pinned internals held by live graphs (fixed bytes, outside the schedule)
         self.peak_pinned_bytes = 0
@@ -250,91 +269,36 @@ class ScheduleExecutor:
         partition = self.partition
         if len(inputs) != len(partition.batch_values):
             raise ExecutorError(f"model {partition.name!r} takes {len(partition.batch_values)} input(s), got {len(inputs)}")
-        state = _Step(
-            tuple(inputs), labels, micro_batches,
-            {k for t in (*partition.fixed_tensors, labels) if (k := storage_key(t)) is not None},
-        )
-        self._drop_records()
-        self.peak_pinned_bytes = 0
-        self.ram.reset_peak()
-        # The caller holds the batch all step: its bytes are fixed (the trace prices the input node at 0).
-        self.ram.fixed_storages = frozenset(k for t in state.inputs if (k := storage_key(t)) is not None)
+        state = _Step(tuple(inputs), labels, micro_batches)
         if micro_batch == 0:
             for param in partition.parameters:
                 param.grad = None
-        with torch.no_grad():  # persistent copies: no allocation per step
-            for copy, buffer in zip(self._buffer_copies, self._buffers, strict=True):
-                copy.copy_(buffer)
-        compute_s = paging_s = 0.0
-        rss_peak = 0
+        if self._buffers:
+            with torch.no_grad():  # persistent copies: no allocation per step
+                for copy, buffer in zip(self._buffer_copies, self._buffers, strict=True):
+                    copy.copy_(buffer)
         meter = self.energy_meter
         meter_read = meter.read if meter is not None else ModelledEnergyMeter.read
+        shape_key = _shape_key(state.inputs, labels)
+        if shape_key != self._shape_key:  # functions and programs are traced for one shape of batch
+            self._functions.clear()
+            self.autograd_nodes.clear()
+            self._lowered = None
+            self._shape_key = shape_key
+        lowered = self._lowered
+        if lowered is None:
+            self._prepare_interpreted(state)
+            if self._lowering_wanted():
+                state.notes = LoweringNotes()
         start = meter_read()
         started = time.perf_counter()
-        step = self.step_index
-        nodes = partition.nodes
-        instrumented = self.instrumented
-        rss_bytes = self.rss.rss_bytes()
         try:
-            for position, op in enumerate(self.ops):
-                # Instrumented (or a page transfer, whose CPU share calibration fits): meter readings just
-                # before and just after the instruction, for its CPU time and its energy (the meter's label
-                # as of the after reading). Otherwise only the wall clock (vDSO, no system call) is read.
-                transfer = op.kind == "page_in" or op.kind == "page_out"
-                metered = instrumented or transfer
-                before = meter_read() if metered else None
-                t0 = time.perf_counter()
-                if op.kind == "compute":
-                    moved = self._compute(op, state)
-                elif op.kind == "page_out":
-                    moved = self._page_out(op.node, state.counters)
-                elif op.kind == "page_in":
-                    moved = self._page_in(op.node, state.counters)
-                elif op.location == "ram":
-                    moved = self.ram.drop(op.node)
-                    state.counters.frees_ram += 1
-                    if moved and self._trim is not None:
-                        self._trim(0)
-                else:
-                    moved = self._pages().delete(op.node)
-                    state.counters.frees_flash += 1
-                duration_s = time.perf_counter() - t0
-                if op.kind == "compute":
-                    compute_s += duration_s
-                elif transfer:
-                    paging_s += duration_s
-                instruction_energy_j, instruction_source, instruction_cpu_s = None, "", None
-                if metered:
-                    after = meter_read()
-                    if meter is not None:
-                        # page_out/page_in: the modelled meter charges storage power for the transfer (as the
-                        # step's figure does); a measured meter ignores paging_s.
-                        instruction_energy_j, instruction_cpu_s = meter.energy_j(
-                            before, after, duration_s if transfer else 0.0)
-                        instruction_source = meter.source
-                    else:
-                        instruction_cpu_s = max(after.cpu_s - before.cpu_s, 0.0)
-                if instrumented or op.kind == "compute" or op.kind == "page_in":  # frees and page-outs cannot raise RSS
-                    rss_bytes = self.rss.rss_bytes()
-                    rss_peak = max(rss_peak, rss_bytes)
-                if self.enforce_budget and self.ram_budget_bytes and (
-                    self.ram.in_use_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
-                ):
-                    raise BudgetExceededError(
-                        f"tracked RAM {self.ram.in_use_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "
-                        f"bytes after instruction {position} ({op.kind} {nodes[op.node].name!r})"
-                    )
-                node = nodes[op.node]
-                self.events.emit(
-                    InstructionEvent(
-                        step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s,
-                        int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute, instruction_cpu_s,
-                        instruction_energy_j, instruction_source,
-                    )
-                )
-            if len(self.ram) or (self.pages is not None and self.pages.nodes()):
-                raise ExecutorError("tensors are left in RAM or on flash at the end of the step")
-            self._drop_records()
+            if lowered is not None:
+                compute_s, paging_s, rss_peak = self._run_lowered(lowered, state)
+                peak_tracked_bytes = lowered.peak_tracked_bytes
+            else:
+                compute_s, paging_s, rss_peak = self._interpret(state, meter, meter_read)
+                peak_tracked_bytes = self.ram.peak_bytes
             t0 = time.perf_counter()
             if optimizer is not None and micro_batch == micro_batches - 1:
                 optimizer.step()
@@ -348,11 +312,19 @@ class ScheduleExecutor:
         if self.energy_meter is not None:
             energy_j, cpu_s = self.energy_meter.energy_j(start, end, paging_s)
         counters = state.counters
+        step = self.step_index
+        if state.notes is not None and self._lowerable():  # from the next step on, the straight-line program
+            self._lowered = lower_step(
+                partition, self.ops, self._functions, state.notes,
+                LoweringRuntime(partition, self.pages, meter_read, self.rss.rss_bytes), self._plain_run,
+                _accumulate_grad, trim=self._trim)
+            self._lowered_counters = counters
+            self._lowered_peak_pinned_bytes = self.peak_pinned_bytes
         summary = StepSummary(
             step=step,
             duration_s=duration_s,
             loss=state.loss,
-            peak_tracked_bytes=self.ram.peak_bytes,
+            peak_tracked_bytes=peak_tracked_bytes,
             peak_pinned_bytes=self.peak_pinned_bytes,
             ram_budget_bytes=self.ram_budget_bytes,
             fixed_bytes=int(self.schedule.fixed_bytes),
@@ -377,7 +349,176 @@ class ScheduleExecutor:
         self.events.emit(summary)
         self._accumulate_totals(counters)
         self.step_index += 1
-        return StepResult(step, state.loss, duration_s, self.ram.peak_bytes, counters, summary)
+        return StepResult(step, state.loss, duration_s, peak_tracked_bytes, counters, summary, lowered is not None)
+
+    # ------------------------------------------------------------------ the two ways to run a step
+    def _prepare_interpreted(self, state: _Step) -> None:
+        """What only the interpreted step needs: fixed storages, empty records, the store's peak reset."""
+        partition = self.partition
+        state.fixed_keys = {k for t in (*partition.fixed_tensors, state.labels) if (k := storage_key(t)) is not None}
+        self._drop_records()
+        self.peak_pinned_bytes = 0
+        self.ram.reset_peak()
+        # The caller holds the batch all step: its bytes are fixed (the trace prices the input node at 0).
+        self.ram.fixed_storages = frozenset(k for t in state.inputs if (k := storage_key(t)) is not None)
+
+    def _interpret(self, state: _Step, meter, meter_read) -> tuple[float, float, int]:
+        """Run the instructions one by one on the stores; returns (compute s, paging s, peak RSS bytes)."""
+        compute_s = paging_s = 0.0
+        step = self.step_index
+        nodes = self.partition.nodes
+        instrumented = self.instrumented
+        rss_bytes = rss_peak = self.rss.rss_bytes()
+        notes = state.notes
+        for position, op in enumerate(self.ops):
+            state.position = position
+            # Instrumented (or a page transfer, whose CPU share calibration fits): meter readings just
+            # before and just after the instruction, for its CPU time and its energy (the meter's label
+            # as of the after reading). Otherwise only the wall clock (vDSO, no system call) is read.
+            transfer = op.kind == "page_in" or op.kind == "page_out"
+            metered = instrumented or transfer
+            before = meter_read() if metered else None
+            t0 = time.perf_counter()
+            if op.kind == "compute":
+                moved = self._compute(op, state)
+            elif op.kind == "page_out":
+                moved = self._page_out(op.node, state.counters)
+            elif op.kind == "page_in":
+                moved = self._page_in(op.node, state.counters)
+            elif op.location == "ram":
+                moved = self.ram.drop(op.node)
+                state.counters.frees_ram += 1
+                if moved and self._trim is not None:
+                    self._trim(0)
+            else:
+                moved = self._pages().delete(op.node)
+                state.counters.frees_flash += 1
+            duration_s = time.perf_counter() - t0
+            if op.kind == "compute":
+                compute_s += duration_s
+            elif transfer:
+                paging_s += duration_s
+            instruction_energy_j, instruction_source, instruction_cpu_s = None, "", None
+            if metered:
+                instruction_energy_j, instruction_source, instruction_cpu_s = _metered(
+                    meter, before, meter_read(), duration_s if transfer else 0.0)
+            if instrumented or op.kind == "compute" or op.kind == "page_in":  # frees and page-outs cannot raise RSS
+                rss_bytes = self.rss.rss_bytes()
+                rss_peak = max(rss_peak, rss_bytes)
+            if self.enforce_budget and self.ram_budget_bytes and (
+                self.ram.in_use_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
+            ):
+                raise BudgetExceededError(
+                    f"tracked RAM {self.ram.in_use_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "
+                    f"bytes after instruction {position} ({op.kind} {nodes[op.node].name!r})"
+                )
+            if notes is not None:
+                notes.in_use_bytes.append(self.ram.in_use_bytes)
+                notes.moved_bytes.append(int(moved))
+                if op.kind == "compute" and nodes[op.node].kind != "bwd":
+                    notes.entry_views[op.node] = self.ram.find(op.node).views
+            node = nodes[op.node]
+            self.events.emit(
+                InstructionEvent(
+                    step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s,
+                    int(moved), self.ram.in_use_bytes, rss_bytes, op.recompute, instruction_cpu_s,
+                    instruction_energy_j, instruction_source,
+                )
+            )
+        if len(self.ram) or (self.pages is not None and self.pages.nodes()):
+            raise ExecutorError("tensors are left in RAM or on flash at the end of the step")
+        self._drop_records()
+        return compute_s, paging_s, rss_peak
+
+    def _lowering_wanted(self) -> bool:
+        """Steps after the first of a batch shape run as a straight-line program, with node functions, unless
+        instrumented (those read the meter around every instruction) or a node runs under autograd."""
+        return self.node_functions and not self.instrumented and not self.autograd_nodes
+
+    def _lowerable(self) -> bool:
+        return self._lowering_wanted() and all(
+            self._functions.get(index) is not None
+            for index, program in self.partition.programs.items() if program.bwd_index is not None)
+
+    def _run_lowered(self, lowered: LoweredStep, state: _Step) -> tuple[float, float, int]:
+        """One step of the straight-line program; telemetry is made from its clock readings afterwards."""
+        runtime = lowered.runtime
+        runtime.moved.clear()
+        runtime.metered.clear()
+        clock_s = [0.0] * (len(self.ops) + 1)
+        rss_start = self.rss.rss_bytes()
+        rss = [rss_start]
+        self._lowered_state = state
+        with torch.no_grad():
+            loss = lowered.run(state.inputs, state.labels, state.loss_divisor, clock_s, rss)
+        if self.pages is not None and self.pages.nodes():
+            raise ExecutorError("tensors are left on flash at the end of the step")
+        state.loss = float(loss) if loss is not None else float("nan")
+        self.peak_pinned_bytes = self._lowered_peak_pinned_bytes
+        ops = self.ops
+        paging_s = 0.0
+        for position in runtime.metered:
+            paging_s += clock_s[position + 1] - clock_s[position]
+        compute_s = 0.0
+        for position in lowered.compute_positions:
+            compute_s += clock_s[position + 1] - clock_s[position]
+        counters = self._lowered_counters
+        if runtime.moved:  # page transfers: the same bytes every step of a shape, else a counters object of its own
+            paged_out = sum(moved for position, moved in runtime.moved.items() if ops[position].kind == "page_out")
+            paged_in = sum(moved for position, moved in runtime.moved.items() if ops[position].kind == "page_in")
+            if (paged_out, paged_in) != (counters.bytes_paged_out, counters.bytes_paged_in):
+                counters = _copy_counters(counters)
+                counters.bytes_paged_out, counters.bytes_paged_in = paged_out, paged_in
+        state.counters = counters
+        if self.events.wants_instructions:
+            self._emit_lowered_events(lowered, clock_s, rss_start, rss[0])
+        return compute_s, paging_s, max(rss_start, rss[0])
+
+    def _emit_lowered_events(self, lowered: LoweredStep, clock_s: list[float], rss_start: int, rss_peak: int) -> None:
+        """The step's instruction events, made from the program's clock readings once it has run."""
+        runtime = lowered.runtime
+        notes = lowered.notes
+        nodes = self.partition.nodes
+        meter = self.energy_meter
+        step = self.step_index
+        rss_bytes = rss_start
+        emit = self.events.emit
+        for position, op in enumerate(self.ops):
+            duration_s = clock_s[position + 1] - clock_s[position]
+            moved = runtime.moved.get(position, notes.moved_bytes[position])
+            energy_j, source, cpu_s = None, "", None
+            metered = runtime.metered.get(position)
+            if metered is not None:
+                energy_j, source, cpu_s = _metered(meter, metered[0], metered[1], duration_s)
+            if position == lowered.rss_position:
+                rss_bytes = rss_peak
+            node = nodes[op.node]
+            emit(InstructionEvent(
+                step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s, int(moved),
+                notes.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source))
+
+    def _plain_run(self, index: int, recompute: bool, *fed: torch.Tensor) -> tuple:
+        """A node no backward reads, as the interpreted step runs it (RNG replayed, buffers left alone on a
+        recompute): for the straight-line program."""
+        program = self.partition.programs[index]
+        op = PlannedOp("compute", index, "ram", recompute)
+        fed = [x.clone() if program.mutates_inputs and value != self.partition.label_value else x
+               for value, x in zip(program.input_values, fed, strict=True)]
+        restore_rng = _replay_rng(op, program, self._lowered_state)
+        buffer_snapshot = None
+        if recompute and program.buffers:
+            buffer_snapshot = self._recompute_copies[index]
+            for saved, buffer in zip(buffer_snapshot, program.buffers, strict=True):
+                saved.copy_(buffer)
+        try:
+            outputs = program.run(*fed)
+        finally:
+            if restore_rng is not None:
+                torch.set_rng_state(restore_rng)
+            if buffer_snapshot is not None:
+                for buffer, saved in zip(program.buffers, buffer_snapshot, strict=True):
+                    buffer.copy_(saved)
+        return tuple(output.detach() for output in outputs)
 
     # ------------------------------------------------------------------ instructions
     def _compute(self, op: PlannedOp, state: _Step) -> int:
@@ -601,9 +742,14 @@ class ScheduleExecutor:
             pinned_bytes = _place_saved(packer.pending, program.pinned_internals, output_keys, builder)
             input_meta = {name: (x.shape, x.dtype) for name, x in zip(program.input_values, fed, strict=True)
                           if name in grad_inputs}
-            self._records[op.node] = _SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
-                                                  pinned_bytes)
+            record = self._records[op.node] = _SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
+                                                           pinned_bytes)
             self._pin(pinned_bytes)
+            if state.notes is not None:
+                state.notes.forward[state.position] = ForwardNote(
+                    tuple(("keep",) if item.node is None else ("own", item.view) if item.node == op.node
+                          else ("producer", item.node, item.view) for item in saved),
+                    tuple(record.output_meta), input_meta)
         del results, outputs, fed
         return self.ram.put(builder.build())
 
@@ -654,9 +800,15 @@ class ScheduleExecutor:
         if op.accumulate:
             param_grads = results[:len(functions.params)]
             taken = Counter(k for g in results if g is not None and (k := storage_key(g)) is not None)
+            shared_flags: list[bool | None] = []
             for param, grad in zip(functions.params, param_grads, strict=True):
+                shared = None
                 if grad is not None:
-                    _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
+                    shared = self._is_shared(grad, taken)
+                    _accumulate_grad(param, grad, shared=shared)
+                shared_flags.append(shared)
+            if state.notes is not None:
+                state.notes.backward[state.position] = BackwardNote(tuple(shared_flags))
         return self.ram.put(builder.build())
 
     def _read_saved(self, saved: _Saved, state: _Step, reader: str) -> torch.Tensor:
@@ -809,6 +961,26 @@ def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: b
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def _metered(meter, before, after, transfer_s: float) -> tuple[float | None, str, float]:
+    """Energy, its source and CPU time between two meter readings around one instruction."""
+    if meter is not None:
+        energy_j, cpu_s = meter.energy_j(before, after, transfer_s)
+        return energy_j, meter.source, cpu_s
+    return None, "", max(after.cpu_s - before.cpu_s, 0.0)
+
+
+def _copy_counters(counters: Counters) -> Counters:
+    copied = Counters(**{name: getattr(counters, name) for name in (
+        "computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
+        "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in")})
+    copied.computes_per_node = counters.computes_per_node.copy()
+    return copied
+
+
+def _shape_key(inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in (*inputs, labels))
 
 
 __all__ = ["Counters", "ScheduleExecutor", "StepResult"]

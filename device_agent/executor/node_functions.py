@@ -125,6 +125,8 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         torch.set_rng_state(rng)
     forward = graphs["forward"]
     backward = graphs.get("backward") if differentiable else None
+    if backward is not None:
+        _drop_dead_ops(backward)
     if backward is not None and draws_random(backward):
         # the partitioner moved a random op into the backward: it would draw again, not replay the forward's mask
         raise NodeCaptureError(f"{program.name!r}: the split puts a random op in the backward, which would draw "
@@ -143,6 +145,25 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
                          saved_count if backward is not None else 0, strides)
+
+
+def _drop_dead_ops(module: GraphModule) -> None:
+    """Remove the ops whose results nothing reads. The partitioner may leave a forward chain recomputed in the
+    backward for nothing (hf_bert's attention: bmm, softmax and a dropout whose mask is never read); fx keeps
+    the dropout as impure, and it would draw random numbers eager's backward never draws. Ops that write to an
+    argument are kept."""
+    removed = False
+    for node in reversed(list(module.graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and any(
+                a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
+            continue
+        module.graph.erase_node(node)
+        removed = True
+    if removed:
+        module.recompile()
 
 
 def _lift_attributes(module: GraphModule) -> tuple[GraphModule, list[str]]:

@@ -166,6 +166,11 @@ class EventStream:
         """Events emitted that the ring no longer holds."""
         return self.emitted - len(self._held)
 
+    @property
+    def wants_instructions(self) -> bool:
+        """Whether instruction events reach anyone (held or subscribed): a lowered step makes them only then."""
+        return self.capacity != 0 or bool(self._subscribers)
+
     def subscribe(self, callback: Callable[[Event], None]) -> None:
         self._subscribers.append(callback)
 

@@ -38,8 +38,9 @@ def test_node_functions_train_bitwise_as_plain_pytorch(model, kind, optimizer, t
     for result in results:
         assert result.counters.computes_per_node == per_node
         assert result.counters.plan_counts()["recomputes"] == schedule.counts()["recomputes"]
-    if model != "hf_bert":  # its encoder blocks' splits recompute a dropout in the backward: they run under autograd
-        assert logged == []
+    assert logged == []  # every node split (hf_bert's attention once left a dead dropout in its backward)
+    # the first step of a shape is interpreted (and captures the functions), the next run the lowered program
+    assert [r.lowered for r in results] == [False, True, True]
 
 
 def test_a_split_with_a_random_op_in_the_backward_is_refused():

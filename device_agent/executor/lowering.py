@@ -1,0 +1,370 @@
+"""The schedule lowered once into a straight-line program: one generated Python function per step shape.
+
+The executor interprets the first step of a shape instruction by instruction (capturing every node's forward
+and backward functions, and noting where each saved tensor lives). From then on the whole step runs as one
+generated function in which every instruction is a few statements on local variables:
+
+- compute of a fwd/loss node: a call of its forward function on the locals holding its inputs; its outputs
+  and the saved tensors its backward reads become locals;
+- compute of a bwd node: the upstream gradients summed from the consumers' gradient locals (in autograd's
+  order), a call of the backward function, the input gradients bound to locals, parameter gradients
+  accumulated as autograd's AccumulateGrad does;
+- free (RAM): ``del`` of the node's locals, which releases their storage (nothing else refers to it);
+- page_out / page_in / free (flash): calls into the page store, which rebuild the locals byte for byte.
+
+No dictionaries, entries or objects on the hot path; a clock reading per instruction feeds telemetry. The
+program does exactly what the interpreted step did (same kernels, same order, same RNG replay and buffer
+rules), so parameters stay bitwise equal; the tests compare both with plain PyTorch. The RAM accounting of a
+lowered step is the interpreted step's, instruction by instruction: the same storages are held at every
+point, since the same tensors are bound and released in the same order.
+
+The generated source is kept on :attr:`LoweredStep.source`, to be read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from device_agent.executor.node_functions import NodeFunctions
+from device_agent.executor.partition import Partition
+from device_agent.executor.plan import PlannedOp
+from device_agent.executor.ram_store import EntryBuilder, TensorView
+
+__all__ = ["BackwardNote", "ForwardNote", "LoweredStep", "LoweringNotes", "lower_step"]
+
+
+@dataclass(frozen=True)
+class ForwardNote:
+    """Where each saved tensor of a fwd/loss compute lives: ``("keep",)`` (fixed or pinned: held by the
+    record), ``("own", view)`` (in this node's entry) or ``("producer", node, view)`` (in an input's entry)."""
+
+    saved: tuple[tuple, ...]
+    output_meta: tuple[tuple[torch.Size, torch.dtype], ...]  # of its outputs
+    input_meta: dict[str, tuple[torch.Size, torch.dtype]]  # of the inputs it sends gradients to
+
+
+@dataclass(frozen=True)
+class BackwardNote:
+    """Whether each parameter gradient of a bwd compute was shared (copied before it became ``.grad``)."""
+
+    shared: tuple[bool | None, ...]
+
+
+@dataclass
+class LoweringNotes:
+    """What the interpreted step saw, by instruction position: all a lowering needs besides the schedule."""
+
+    forward: dict[int, ForwardNote] = field(default_factory=dict)
+    backward: dict[int, BackwardNote] = field(default_factory=dict)
+    entry_views: dict[int, dict[str, TensorView]] = field(default_factory=dict)  # node -> views of its outputs
+    in_use_bytes: list[int] = field(default_factory=list)  # tracked RAM after each instruction
+    moved_bytes: list[int] = field(default_factory=list)  # bytes each instruction added, released or moved
+
+
+class LoweringRuntime:
+    """What the generated program calls besides kernels: the page store and the meter around transfers."""
+
+    def __init__(self, partition: Partition, pages, meter_read: Callable, rss: Callable[[], int]) -> None:
+        self.partition = partition
+        self.pages = pages
+        self.meter_read = meter_read
+        self.rss = rss
+        self.moved: dict[int, int] = {}  # position -> bytes a page transfer moved
+        self.metered: dict[int, tuple] = {}  # position -> (before, after) meter readings
+
+    def page_out(self, position: int, node: int, names: tuple[str, ...], outputs: tuple, saved: tuple) -> None:
+        before = self.meter_read()
+        builder = EntryBuilder(node)
+        for name, tensor in zip(names, outputs, strict=True):
+            builder.add_named(name, tensor)
+        for tensor in saved:
+            builder.add(tensor)
+        self.moved[position] = self.pages.write(node, self.partition.nodes[node].name, builder.build())
+        self.metered[position] = (before, self.meter_read())
+
+    def page_in(self, position: int, node: int):
+        before = self.meter_read()
+        entry, self.moved[position] = self.pages.read(node)
+        self.metered[position] = (before, self.meter_read())
+        return entry
+
+    def free_flash(self, position: int, node: int) -> None:
+        self.moved[position] = self.pages.delete(node)
+
+
+@dataclass
+class LoweredStep:
+    """One step's straight-line program: ``run(inputs, labels, divisor, clock_s, rss) -> loss tensor``."""
+
+    source: str
+    run: Callable
+    runtime: LoweringRuntime
+    notes: LoweringNotes
+    rss_position: int  # the instruction after which RSS is read: where tracked RAM first peaks
+    peak_tracked_bytes: int
+    compute_positions: tuple[int, ...]
+
+
+class _Source:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.namespace: dict[str, object] = {"torch": torch}
+        self._constants: dict[int, str] = {}
+
+    def line(self, text: str) -> None:
+        self.lines.append("    " + text)
+
+    def const(self, value, hint: str) -> str:
+        key = id(value)
+        name = self._constants.get(key)
+        if name is None:
+            name = self._constants[key] = f"{hint}_{len(self._constants)}"
+            self.namespace[name] = value
+        return name
+
+
+def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, NodeFunctions | None],
+               notes: LoweringNotes, runtime: LoweringRuntime, plain_run: Callable,
+               accumulate_grad: Callable, trim: Callable[[int], object] | None = None) -> LoweredStep:
+    """Generate the straight-line program of ``ops`` from what the interpreted step noted.
+
+    ``plain_run(node, recompute, *inputs)`` runs a program without a backward (no functions) as the interpreted
+    step does; ``accumulate_grad(param, grad, shared=...)`` is AccumulateGrad's rule."""
+    src = _Source()
+    ns = src.namespace
+    programs = partition.programs
+    nodes = partition.nodes
+    out_slot = {(index, name): f"v{index}_{j}"
+                for index, program in programs.items() for j, name in enumerate(program.output_values)}
+    grad_slot = {(program.bwd_index, name): f"w{program.bwd_index}_{j}"
+                 for program in programs.values() if program.bwd_index is not None
+                 for j, name in enumerate(program.grad_input_values)}
+    own_in_entry: dict[int, list[int]] = {}  # fwd node -> own saved positions its entry holds now
+    keep_alive: dict[int, list[str]] = {}  # fwd node -> locals its live record keeps (fixed, pinned)
+    own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
+    ns["_plain"] = plain_run
+    ns["_acc"] = accumulate_grad
+    ns["_rt"] = runtime
+    ns["_view"] = _view
+    ns["_trim"] = trim
+    peak = max(notes.in_use_bytes, default=0)
+    rss_position = notes.in_use_bytes.index(peak) if notes.in_use_bytes else 0
+    body = src.line
+    body("clock_s[0] = _clock()")
+    ns["_clock"] = time.perf_counter
+    body("loss = None")
+    for position, op in enumerate(ops):
+        node = nodes[op.node]
+        body(f"# {position}: {op.kind} {node.name!r}" + (" (recompute)" if op.recompute else ""))
+        if op.kind == "compute" and node.kind == "bwd":
+            _lower_backward(src, partition, ops, position, functions, notes, out_slot, grad_slot, keep_alive)
+        elif op.kind == "compute":
+            _lower_forward(src, partition, op, position, functions, notes, out_slot, own_in_entry, keep_alive)
+        elif op.kind == "page_out":
+            names, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
+            own_on_flash[op.node] = own_in_entry.get(op.node, [])
+            body(f"_rt.page_out({position}, {op.node}, {src.const(names, 'names')}, ({_tuple(outputs)}), "
+                 f"({_tuple(saved)}))")
+        elif op.kind == "page_in":
+            own_in_entry[op.node] = own_on_flash[op.node]
+            names, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
+            body(f"e = _rt.page_in({position}, {op.node})")
+            for name, local in zip(names, outputs, strict=True):
+                body(f"{local} = e.tensor({name!r})")
+            note = _last_forward_note(notes, ops, position, op.node)
+            for k in own_in_entry.get(op.node, ()):
+                body(f"s{op.node}_{k} = e.view_tensor({src.const(note.saved[k][1], 'view')})")
+            body("del e")
+        elif op.location == "ram":
+            _, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
+            if outputs or saved:
+                body(f"del {', '.join((*outputs, *saved))}")
+            own_in_entry.pop(op.node, None)
+            if trim is not None and notes.moved_bytes[position]:
+                body("_trim(0)")
+        else:
+            body(f"_rt.free_flash({position}, {op.node})")
+        body(f"clock_s[{position + 1}] = _clock()")
+        if position == rss_position:
+            body("rss[0] = _rt.rss()")
+    body("return loss")
+    source = "def lowered_step(inputs, labels, divisor, clock_s, rss):\n" + "\n".join(src.lines) + "\n"
+    code = compile(source, f"<lowered step of {partition.name}>", "exec")
+    exec(code, ns)  # noqa: S102 - the program is generated here from the validated schedule
+    return LoweredStep(source, ns["lowered_step"], runtime, notes, rss_position, peak,
+                       tuple(position for position, op in enumerate(ops) if op.kind == "compute"))
+
+
+def _tuple(items: list[str]) -> str:
+    return "".join(f"{item}, " for item in items)
+
+
+def _entry_locals(partition: Partition, node: int, out_slot, grad_slot, own_in_entry
+                  ) -> tuple[tuple[str, ...], list[str], list[str]]:
+    """The names and locals of a node's entry, in the order the interpreted entry adds them."""
+    pnode = partition.nodes[node]
+    if pnode.kind == "bwd":
+        program = partition.programs[pnode.forward_index]
+        names = tuple(program.grad_input_values)
+        return names, [grad_slot[(node, name)] for name in names], []
+    program = partition.programs[node]
+    names = tuple(program.output_values) if program.run is not None else tuple(partition.batch_values)
+    outputs = [out_slot[(node, name)] for name in program.output_values] if program.run is not None else \
+        [f"v{node}_{j}" for j in range(len(names))]
+    return names, outputs, [f"s{node}_{k}" for k in own_in_entry.get(node, ())]
+
+
+def _last_forward_note(notes: LoweringNotes, ops: list[PlannedOp], position: int, node: int) -> ForwardNote:
+    for earlier in range(position - 1, -1, -1):
+        op = ops[earlier]
+        if op.kind == "compute" and op.node == node and earlier in notes.forward:
+            return notes.forward[earlier]
+    raise AssertionError(f"no noted compute of node {node} before instruction {position}")
+
+
+def _lower_forward(src: _Source, partition: Partition, op: PlannedOp, position: int, functions, notes,
+                   out_slot, own_in_entry, keep_alive) -> None:
+    body = src.line
+    n = op.node
+    program = partition.programs[n]
+    if program.run is None:  # the input node: the batch
+        for j in range(len(partition.batch_values)):
+            body(f"v{n}_{j} = inputs[{j}]")
+        return
+    fed = ", ".join("labels" if value == partition.label_value else out_slot[(partition.value_producer[value], value)]
+                    for value in program.input_values)
+    own_in_entry[n] = []
+    function = functions.get(n) if program.bwd_index is not None else None
+    if function is None:
+        body(f"r = _plain({n}, {op.recompute}, {fed})")
+        for j, name in enumerate(program.output_values):
+            body(f"{out_slot[(n, name)]} = r[{j}]")
+            if name == partition.loss_value and not op.recompute:
+                body(f"loss = {out_slot[(n, name)]}")
+        body("del r")
+        return
+    rng = f"rng{n}"
+    if program.random:
+        if op.recompute:
+            body(f"restore = torch.get_rng_state(); torch.set_rng_state({rng})")
+        else:
+            body(f"{rng} = torch.get_rng_state()")
+    call = f"r = {src.const(function.forward.forward, 'fwd')}(*{src.const(function.arguments, 'args')}, {fed})"
+    if program.random and op.recompute:
+        body("try:")
+        body(f"    {call}")
+        body("finally:")
+        body("    torch.set_rng_state(restore)")
+    else:
+        body(call)
+    count = function.output_count
+    for j, name in enumerate(program.output_values):
+        body(f"{out_slot[(n, name)]} = r[{j}]")
+        if name == partition.loss_value and not op.recompute:
+            body(f"loss = {out_slot[(n, name)]}")
+    if function.buffers and not op.recompute:  # statistics move once per step
+        for i, buffer in enumerate(function.buffers):
+            body(f"{src.const(buffer, 'buffer')}.copy_(r[{count + i}])")
+    if op.graph and function.backward is not None:
+        note = notes.forward[position]
+        base = count + len(function.buffers)
+        own: list[int] = []
+        keep: list[str] = []
+        for k, where in enumerate(note.saved):
+            if where[0] == "own":
+                body(f"s{n}_{k} = r[{base + k}]")
+                own.append(k)
+            elif where[0] == "keep":
+                body(f"k{n}_{k} = r[{base + k}]")
+                keep.append(f"k{n}_{k}")
+        own_in_entry[n] = own
+        keep_alive[n] = keep
+    body("del r")
+
+
+def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], position: int, functions, notes,
+                    out_slot, grad_slot, keep_alive) -> None:
+    body = src.line
+    op = ops[position]
+    b = op.node
+    n = partition.nodes[b].forward_index
+    program = partition.programs[n]
+    function = functions[n]
+    forward_note = _last_forward_note(notes, ops, position, n)  # the compute whose saved tensors it reads
+    saved: list[str] = []
+    for k, where in enumerate(forward_note.saved):
+        if where[0] == "own":
+            saved.append(f"s{n}_{k}")
+        elif where[0] == "keep":
+            saved.append(f"k{n}_{k}")
+        else:
+            _, producer, view = where
+            saved.append(_producer_view(src, partition, notes, producer, view, out_slot))
+    grads: list[str] = []
+    for i, output_position in enumerate(function.differentiable_outputs):
+        name = program.output_values[output_position]
+        shape, dtype = forward_note.output_meta[output_position]
+        g = f"g{i}"
+        if name == partition.loss_value:
+            body(f"{g} = torch.ones({tuple(shape)!r}, dtype={src.const(dtype, 'dtype')})")
+            body(f"if divisor != 1: {g} = {g} / divisor")
+        else:
+            terms = [grad_slot[(partition.programs[c].bwd_index, name)] for c in partition.grad_senders.get(name, ())]
+            body(f"{g} = {' + '.join(terms)}" if len(terms) > 1 else f"{g} = {terms[0]}")
+        stride = function.gradient_strides[i]
+        body(f"if {g}.stride() != {stride!r}: {g} = torch.empty_strided({tuple(shape)!r}, {stride!r}, "
+             f"dtype={src.const(dtype, 'dtype')}).copy_({g})")
+        grads.append(g)
+    call = f"R = {src.const(function.backward.forward, 'bwd')}({_tuple(saved)}{_tuple(grads)})"
+    body(call)
+    if grads:
+        body(f"del {', '.join(grads)}")
+    returned = _returned_none(function.backward)
+    offset = len(function.arguments)
+    for name in program.grad_input_values:
+        result = offset + program.input_values.index(name)
+        local = grad_slot[(b, name)]
+        if returned[result]:
+            shape, dtype = forward_note.input_meta[name]
+            body(f"{local} = torch.zeros({tuple(shape)!r}, dtype={src.const(dtype, 'dtype')})")
+        else:
+            body(f"{local} = R[{result}]")
+    if op.accumulate:
+        shared = notes.backward[position].shared
+        for i, param in enumerate(function.params):
+            if not returned[i] and shared[i] is not None:
+                body(f"_acc({src.const(param, 'param')}, R[{i}], shared={shared[i]})")
+    body("del R")
+    if not op.retain:
+        keep = keep_alive.pop(n, [])
+        if keep:
+            body(f"del {', '.join(keep)}")
+
+
+def _producer_view(src: _Source, partition: Partition, notes: LoweringNotes, producer: int, view: TensorView,
+                   out_slot) -> str:
+    """A saved tensor living in an input's entry: that local itself when the view is the whole of it, else a
+    view rebuilt over the storage the local holds now (it may have been paged in or recomputed)."""
+    views = notes.entry_views[producer]
+    names = partition.programs[producer].output_values if partition.programs[producer].run is not None \
+        else partition.batch_values
+    for j, name in enumerate(names):
+        if views[name].storage_index == view.storage_index:
+            local = out_slot[(producer, name)] if partition.programs[producer].run is not None else f"v{producer}_{j}"
+            if views[name] == view:
+                return local
+            return f"_view({local}, {src.const(view, 'view')})"
+    raise AssertionError(f"a saved tensor of node {producer} is in none of its outputs' storages")
+
+
+def _view(tensor: torch.Tensor, view: TensorView) -> torch.Tensor:
+    return torch.empty(0, dtype=view.dtype).set_(tensor.untyped_storage(), view.offset, view.shape, view.stride)
+
+
+def _returned_none(backward) -> list[bool]:
+    (output,) = (n for n in backward.graph.nodes if n.op == "output")
+    return [value is None for value in output.args[0]]

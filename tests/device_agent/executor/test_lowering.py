@@ -1,0 +1,131 @@
+"""The straight-line program (lowering.py): after the first step of a batch shape, a node-functions executor runs
+the whole step as one generated function. It must train exactly as the interpreted step and plain PyTorch do,
+report the same telemetry, re-capture when the batch shape changes, and fail cleanly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from device_agent.executor import EventStream, PageCorruptError, ScheduleExecutor, plain_train_step
+
+from .helpers import case, make_optimizer, param_diff, run_scheduled, schedule_for
+
+
+def _batches(bundle, sizes: list[int]):
+    return [(tuple(x[:size] for x in bundle.inputs), bundle.labels[:size]) for size in sizes]
+
+
+def test_a_smaller_last_batch_is_captured_again_and_trains_as_plain_pytorch(tmp_path):
+    current = case("mlp")  # batch 4; its programs take any batch size
+    schedule, _ = schedule_for("mlp", "mixed")
+    current.reset()
+    optimizer = make_optimizer("adamw", current.bundle.module)
+    sizes = [4, 4, 4, 2, 2, 4]
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path), node_functions=True) as executor:
+        results = [executor.train_step(inputs, labels, optimizer)
+                   for inputs, labels in _batches(current.bundle, sizes)]
+    plain = current.plain_bundle()
+    plain_optimizer = make_optimizer("adamw", plain.module)
+    losses = [plain_train_step(plain.module, plain.loss_fn, inputs, labels, plain_optimizer)
+              for inputs, labels in _batches(plain, sizes)]
+    assert [r.lowered for r in results] == [False, True, True, False, True, False]
+    assert [r.loss for r in results] == losses
+    relative, bitwise = param_diff(current.bundle.module, plain.module)
+    assert bitwise, f"parameters differ from plain PyTorch by {relative:.3g}"
+
+
+def test_gradient_accumulation_in_the_lowered_program_is_plain_pytorchs(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "remat")
+    current.reset()
+    optimizer = make_optimizer("sgd", current.bundle.module)
+    halves = _batches(current.bundle, [2, 2])
+    halves[1] = (tuple(x[2:] for x in current.bundle.inputs), current.bundle.labels[2:])
+    lowered = []
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path), node_functions=True) as executor:
+        for _ in range(3):
+            for micro, (inputs, labels) in enumerate(halves):
+                lowered.append(executor.train_step(inputs, labels, optimizer, micro_batch=micro,
+                                                   micro_batches=2).lowered)
+    plain = current.plain_bundle()
+    plain_optimizer = make_optimizer("sgd", plain.module)
+    plain_halves = [(tuple(x[:2] for x in plain.inputs), plain.labels[:2]),
+                    (tuple(x[2:] for x in plain.inputs), plain.labels[2:])]
+    for _ in range(3):
+        plain_optimizer.zero_grad(set_to_none=True)
+        for inputs, labels in plain_halves:
+            (plain.loss_fn(plain.module(*inputs), labels) / 2).backward()
+        plain_optimizer.step()
+    assert lowered == [False, True, True, True, True, True]
+    relative, bitwise = param_diff(current.bundle.module, plain.module)
+    assert bitwise, f"parameters differ from plain accumulation by {relative:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["paging", "mixed"])
+def test_lowered_steps_report_what_the_interpreted_step_measured(kind, tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", kind)
+    events = EventStream(capacity=None)
+    results = run_scheduled(current, schedule, steps=3, optimizer="sgd", flash_dir=tmp_path, events=events,
+                            node_functions=True)
+    assert [r.lowered for r in results] == [False, True, True]
+    instructions = events.instructions()
+    count = len(schedule.instructions)
+    assert len(instructions) == 3 * count
+    first, *later = (instructions[i * count:(i + 1) * count] for i in range(3))
+    for step in later:
+        assert [e.ram_in_use_bytes for e in step] == [e.ram_in_use_bytes for e in first]
+        assert [e.bytes_moved for e in step] == [e.bytes_moved for e in first]
+        assert [(e.kind, e.node, e.recompute) for e in step] == [(e.kind, e.node, e.recompute) for e in first]
+        assert all(e.duration_s > 0 for e in step if e.kind != "free")
+        # page transfers carry their CPU time, as the interpreted step's do
+        assert all(e.cpu_s is not None for e in step if e.kind in ("page_in", "page_out"))
+    summaries = events.steps()
+    assert summaries[1].duration_s >= sum(e.duration_s for e in later[0])
+    for result in results[1:]:
+        assert result.counters.plan_counts() == results[0].counters.plan_counts()
+        assert result.counters.bytes_paged_out == results[0].counters.bytes_paged_out
+        assert result.peak_tracked_bytes == results[0].peak_tracked_bytes
+        assert result.summary.rss_peak_bytes > 0
+
+
+def test_instrumented_steps_stay_interpreted(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "remat")
+    results = run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path, node_functions=True,
+                            instrumented=True)
+    assert [r.lowered for r in results] == [False, False]
+
+
+def test_a_corrupted_page_fails_a_lowered_step_and_leaves_nothing(tmp_path):
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "paging")
+    current.reset()
+    optimizer = make_optimizer("sgd", current.bundle.module)
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path), node_functions=True) as executor:
+        executor.train_step(current.bundle.inputs, current.bundle.labels, optimizer)
+        before = {k: v.clone() for k, v in current.bundle.module.state_dict().items()}
+        write = executor.pages.write
+
+        def write_then_flip_a_byte(node, name, entry):
+            written = write(node, name, entry)
+            with open(executor.pages.path_of(node), "r+b") as handle:
+                handle.seek(100)
+                byte = handle.read(1)
+                handle.seek(100)
+                handle.write(bytes([byte[0] ^ 0xFF]))
+            return written
+
+        executor.pages.write = write_then_flip_a_byte
+        with pytest.raises(PageCorruptError, match="corrupted"):
+            executor.train_step(current.bundle.inputs, current.bundle.labels, optimizer)
+        assert executor.pages.nodes() == []
+        assert all(p.grad is None for p in current.bundle.module.parameters())
+        after = current.bundle.module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        executor.pages.write = write  # the program recovers: the next step runs lowered again
+        assert executor.train_step(current.bundle.inputs, current.bundle.labels, optimizer).lowered
+    assert os.listdir(tmp_path) == []
