@@ -41,6 +41,7 @@ import grpc
 from host.fleet import serde
 from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
 from host.fleet.refusal import Refused
+from host.fleet.status import RunStatus
 
 fleet_pb2 = serde.fleet_pb2
 log = logging.getLogger("poet.fleet.calibrate")
@@ -287,9 +288,9 @@ def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], 
         now = time.monotonic()
         waiting = []
         for record in records:
-            if record.status not in ("done", "failed", "does_not_fit"):
+            if not record.status.finished:
                 waiting.append(record)
-            elif record.status == "done" and record.events_stored < int(record.metrics.get("events_emitted") or 0):
+            elif record.status == RunStatus.DONE and record.events_stored < int(record.metrics.get("events_emitted") or 0):
                 settled_at.setdefault(record.run_id, now)
                 if now - settled_at[record.run_id] < EVENTS_TIMEOUT_S:
                     waiting.append(record)
@@ -319,7 +320,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     with calibration.lock:
         calibration.run_ids.append(profile_run.run_id)
     record = _wait(coordinator, calibration, [profile_run.run_id], "PROFILE job")[0]
-    if record.status != "done" or record.metrics.get("profile_version") is None:
+    if record.status != RunStatus.DONE or record.metrics.get("profile_version") is None:
         raise CalibrationFailed(f"the PROFILE run {record.run_id} ended {record.status}: {record.detail or 'no profile'}")
     base_version = int(record.metrics["profile_version"])
     base = PlatformProfile.from_dict(store.get_profile_version(agent, base_version).profile,
@@ -338,14 +339,14 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
                 run = coordinator.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(
                     fraction_of_peak=fraction), **fields))[0]
                 budget_note = f"{fraction:.0%} of the no-remat peak"
-                if serde.RUN_STATUS_FROM_PB[run.status] == "queued":
+                if serde.RUN_STATUS_FROM_PB[run.status] == RunStatus.QUEUED:
                     break
             status = serde.RUN_STATUS_FROM_PB[run.status]
             with calibration.lock:
                 calibration.run_ids.append(run.run_id)
             planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
                             "status": status, "error": run.error or None})
-    queued = [p["run_id"] for p in planned if p["status"] == "queued"]
+    queued = [p["run_id"] for p in planned if p["status"] == RunStatus.QUEUED]
     if not queued:
         raise CalibrationFailed("no calibration run could be scheduled: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
@@ -354,7 +355,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     # 3. fit on the even steps, compare on the odd steps from 3
     calibration.set_stage("fitting")
     fit_steps, heldout_steps = fit_and_heldout_steps(calibration.steps)
-    done = [run_id for run_id in queued if records[run_id].status == "done"]
+    done = [run_id for run_id in queued if records[run_id].status == RunStatus.DONE]
     for entry in planned:
         if entry["run_id"] in records:
             record = records[entry["run_id"]]
@@ -448,7 +449,7 @@ def refine(coordinator, run_id: str) -> dict[str, Any] | None:
 
     store = coordinator.store
     record = _wait(coordinator, None, [run_id], f"run {run_id}")[0]
-    if record.kind not in ("train", "verify") or record.status != "done":
+    if record.kind not in ("train", "verify") or record.status != RunStatus.DONE:
         return None
     latest = store.latest_profile(record.agent)
     if latest is None or latest.provenance.get("source") not in REFINE_SOURCES:

@@ -15,17 +15,13 @@ from google.protobuf import json_format
 
 from device_agent import protos
 from device_agent.serde import schedule_from_json, schedule_to_json, schedule_to_proto
+from host.fleet.status import RunStatus
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
 
 # ------------------------------------------------------------------------------------------ enums
-RUN_STATUS_TO_PB = {
-    "queued": fleet_pb2.RUN_STATUS_QUEUED,
-    "running": fleet_pb2.RUN_STATUS_RUNNING,
-    "done": fleet_pb2.RUN_STATUS_DONE,
-    "failed": fleet_pb2.RUN_STATUS_FAILED,
-    "does_not_fit": fleet_pb2.RUN_STATUS_DOES_NOT_FIT,
-}
+# poet.v1.RunStatus mirrors host.fleet.status.RunStatus: RUN_STATUS_<NAME> for each member
+RUN_STATUS_TO_PB = {status: fleet_pb2.RunStatus.Value(f"RUN_STATUS_{status.name}") for status in RunStatus}
 RUN_STATUS_FROM_PB = {v: k for k, v in RUN_STATUS_TO_PB.items()}
 JOB_KIND_TO_PB = {"train": fleet_pb2.JOB_KIND_TRAIN, "verify": fleet_pb2.JOB_KIND_VERIFY,
                   "profile": fleet_pb2.JOB_KIND_PROFILE}

@@ -54,8 +54,8 @@ from host.fleet.limits import (
     SOLVE_TIME_LIMIT_S,
 )
 from host.fleet.refusal import Refused
+from host.fleet.status import OPEN, RunStatus
 from host.fleet.store import (
-    TERMINAL_STATUSES,
     AgentRemovedError,
     RunStore,
     StoreError,
@@ -92,7 +92,7 @@ class BoardPlan:
     """What the coordinator decided for one board of a submitted run."""
 
     agent: str
-    status: str  # queued | does_not_fit | failed
+    status: RunStatus  # QUEUED, DOES_NOT_FIT or FAILED
     ram_budget_bytes: int | None
     min_ram_budget_bytes: int | None
     schedule_key: str | None
@@ -184,10 +184,10 @@ class Coordinator:
 
     def next_job(self, agent: str):
         """This agent's oldest queued or running run as a Job (marked running), or None."""
-        for run in self.store.list_runs(agent=agent, status=["running", "queued"]):
+        for run in self.store.list_runs(agent=agent, status=OPEN):
             spec = self.spec(run.job_id)
-            if run.status == "queued":
-                run = self.store.update_run(run.run_id, status="running")
+            if run.status == RunStatus.QUEUED:
+                run = self.store.update_run(run.run_id, status=RunStatus.RUNNING)
             key = run.metrics.get("schedule_key")
             schedule_json = spec.get("schedules", {}).get(key) if key else None
             return serde.job_message(spec, job_id=run.job_id, run_id=run.run_id, kind=run.kind,
@@ -332,7 +332,7 @@ class Coordinator:
             budget = auto_budget_bytes(agent.facts, graph, optimizer)
 
         def refused(detail: str) -> BoardPlan:
-            return BoardPlan(agent.name, "does_not_fit", max(budget, 0), floor, None, None, None, {}, detail, which)
+            return BoardPlan(agent.name, RunStatus.DOES_NOT_FIT, max(budget, 0), floor, None, None, None, {}, detail, which)
 
         if budget < floor:
             how = auto_budget_text(agent.facts, graph, optimizer) if budget_kind == "auto" else f"{budget} bytes"
@@ -356,7 +356,7 @@ class Coordinator:
         if text is None:
             if result.status == "infeasible":
                 return refused(f"no schedule fits: {result.message}"), None
-            return BoardPlan(agent.name, "failed", budget, floor, None, None, None, {},
+            return BoardPlan(agent.name, RunStatus.FAILED, budget, floor, None, None, None, {},
                              f"the solver found no schedule ({result.status}): {result.message}", which), None
         prediction = result.schedule.prediction
         schedule_key = hashlib.sha256(serde.dumps([list(map(str, key))]).encode()).hexdigest()[:24]
@@ -370,7 +370,7 @@ class Coordinator:
                      "energy_j": step_j, "energy_source": f"predicted:{profile.name}"}
         counts = {"recomputes": prediction.recomputes, "page_ins": prediction.page_ins,
                   "page_outs": prediction.page_outs}
-        return BoardPlan(agent.name, "queued", budget, floor, schedule_key, fingerprint, predicted, counts, None,
+        return BoardPlan(agent.name, RunStatus.QUEUED, budget, floor, schedule_key, fingerprint, predicted, counts, None,
                          which), text
 
     def targets(self, request) -> list:
@@ -434,7 +434,7 @@ class Coordinator:
         }
         plans: list[BoardPlan] = []
         if kind == "profile":
-            plans = [BoardPlan(a.name, "queued", None, None, None, None, None, {}, None) for a in boards]
+            plans = [BoardPlan(a.name, RunStatus.QUEUED, None, None, None, None, None, {}, None) for a in boards]
         else:
             try:
                 package = self.model_package(request)
@@ -475,9 +475,9 @@ class Coordinator:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a result's status is DONE or FAILED")
         with self._result_lock:
             run = self.store.get_run(run.run_id)
-            if run.status in TERMINAL_STATUSES:
+            if run.status.finished:
                 return  # a resend after a reconnect: the first report stands
-            if run.status != "running":
+            if run.status != RunStatus.RUNNING:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                f"run {run.run_id!r} is {run.status}, not running: report only jobs PullJob handed you")
             spec = self.spec(run.job_id)
@@ -486,7 +486,7 @@ class Coordinator:
             except BoardInputError as error:
                 # the agent drops a refused result: the run fails here, or it would be handed out and re-run forever
                 message = f"the result of run {run.run_id!r}: {error}"
-                self.store.update_run(run.run_id, status="failed",
+                self.store.update_run(run.run_id, status=RunStatus.FAILED,
                                       detail=bounded_error(f"the coordinator refused the board's result ({message})"))
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, message) from None
             update = serde.result_update(result)
@@ -499,13 +499,13 @@ class Coordinator:
             if diverged is not None:  # stored as null (the JSON stays strict) and the run failed, saying where
                 losses = [v if math.isfinite(v) else None for v in result.loss_per_step]
                 update["metrics"].update(loss_per_step=losses, final_loss=losses[-1])
-                update["status"] = "failed"
+                update["status"] = RunStatus.FAILED
                 update["detail"] = (f"the loss is {result.loss_per_step[diverged]} from step {diverged + 1} (it "
                                     f"diverged); lower the learning rate" + (f"; the board said: {update['detail']}"
                                                                             if update["detail"] else ""))
             if result.HasField("weights") and result.weights.safetensors:
                 update["metrics"]["weights_path"] = self._save_weights(run.run_id, result.weights)
-            if run.kind == "profile" and update["status"] == "done":
+            if run.kind == "profile" and update["status"] == RunStatus.DONE:
                 from host.costs import PlatformProfile
 
                 try:
@@ -520,7 +520,7 @@ class Coordinator:
                 version = self.store.add_profile_version(agent, profile, provenance=provenance)
                 update["metrics"].update(profile_name=profile.get("name"), profile_version=version.version)
             self.store.update_run(run.run_id, **update)
-        if self.refiner is not None and run.kind in ("train", "verify") and update["status"] == "done":
+        if self.refiner is not None and run.kind in ("train", "verify") and update["status"] == RunStatus.DONE:
             self.refiner.run_done(run.run_id)
 
     def _save_weights(self, run_id: str, weights) -> str:
@@ -551,7 +551,7 @@ class Coordinator:
         if steps:
             with self._result_lock:  # re-read: a result stored since the batch arrived has the final count
                 run = self.store.get_run(run_id)
-                if max(steps) > int(run.metrics.get("steps_done") or 0) and run.status not in TERMINAL_STATUSES:
+                if max(steps) > int(run.metrics.get("steps_done") or 0) and not run.status.finished:
                     last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
                     loss = last.step.loss if math.isfinite(last.step.loss) else None  # JSON stores no NaN
                     self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": loss})
@@ -670,7 +670,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServicer):
             return reply
         if request.running_job_id:
             mine = c.store.list_runs(job_id=request.running_job_id, agent=name)
-            if not mine or all(run.status in ("failed", "does_not_fit") for run in mine):
+            if not mine or all(run.status.unsuccessful for run in mine):
                 reply.cancel_job_ids.append(request.running_job_id)
         return reply
 
@@ -761,8 +761,8 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
             c.store.remove_agent(request.name)
         except UnknownAgentError:
             return fleet_pb2.RemoveAgentReply(removed=False)
-        for run in c.store.list_runs(agent=request.name, status=["queued", "running"]):
-            c.store.update_run(run.run_id, status="failed",
+        for run in c.store.list_runs(agent=request.name, status=OPEN):
+            c.store.update_run(run.run_id, status=RunStatus.FAILED,
                                detail=f"agent {request.name!r} was removed by operator {name!r}")
         log.info("agent %s removed by %s", request.name, name)
         return fleet_pb2.RemoveAgentReply(removed=True)

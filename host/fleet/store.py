@@ -38,18 +38,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-RUN_STATUSES = ("queued", "running", "done", "failed", "does_not_fit")
-TERMINAL_STATUSES = frozenset({"done", "failed", "does_not_fit"})
+from host.fleet.status import FINISHED, TRANSITIONS, RunStatus
+
+RUN_STATUSES = tuple(s.value for s in RunStatus)  # as stored (the runs table's check constraint names them too)
+TERMINAL_STATUSES = FINISHED
 RUN_KINDS = ("train", "verify", "profile")
-# From each status, the statuses an update may move a run to. A terminal status may be reported
-# again (an agent resends its result after a reconnect) but never changed.
-_TRANSITIONS = {
-    "queued": {"queued", "running", "done", "failed", "does_not_fit"},
-    "running": {"running", "queued", "done", "failed"},
-    "done": {"done"},
-    "failed": {"failed"},
-    "does_not_fit": {"does_not_fit"},
-}
 DB_FILE_NAME = "poet.db"
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _URL_HELP = (
@@ -177,7 +170,7 @@ class RunRecord:
     job_id: str
     agent: str
     kind: str
-    status: str
+    status: RunStatus
     ram_budget_bytes: int | None
     schedule_fingerprint: str | None
     predicted: dict[str, Any] | None  # step_s, peak_ram_bytes, energy_j (+ its source label)
@@ -456,13 +449,13 @@ class RunStore:
         return JobRecord(row.job_id, row.kind, row.spec, row.created_at_s)
 
     def create_run(
-        self, run_id: str, job_id: str, agent: str, kind: str, *, status: str = "queued",
+        self, run_id: str, job_id: str, agent: str, kind: str, *, status: str = RunStatus.QUEUED,
         ram_budget_bytes: int | None = None, schedule_fingerprint: str | None = None,
         predicted: Mapping[str, Any] | None = None, detail: str | None = None, now_s: float | None = None,
     ) -> RunRecord:
         """A run of job ``job_id`` on ``agent`` (one per board). A removed agent gets no runs."""
         _check_kind(kind)
-        _check_status(status)
+        status = _check_status(status)
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
             _refuse_removed(self._agent_row(conn, agent))
@@ -502,8 +495,8 @@ class RunStore:
             row = self._run_row(conn, run_id, for_update=True)
             values: dict[str, Any] = {"updated_at_s": now_s}
             if status is not None:
-                _check_status(status)
-                if status not in _TRANSITIONS[row.status]:
+                status = _check_status(status)
+                if status not in TRANSITIONS[RunStatus(row.status)]:
                     raise StoreError(f"run {run_id!r} is {row.status}; it cannot become {status}")
                 values["status"] = status
             for key, value in (
@@ -532,8 +525,7 @@ class RunStore:
             query = query.where(runs.c.agent == agent)
         if status is not None:
             statuses = [status] if isinstance(status, str) else list(status)
-            for each in statuses:
-                _check_status(each)
+            statuses = [_check_status(each) for each in statuses]
             query = query.where(runs.c.status.in_(statuses))
         with self._read() as conn:
             return [_run(row) for row in conn.execute(query)]
@@ -740,8 +732,7 @@ def _insert_job(conn: sa.Connection, job_id: str, kind: str, spec: Mapping[str, 
 
 def _insert_run(conn: sa.Connection, run: Mapping[str, Any], job_id: str, kind: str, now_s: float) -> None:
     """One new run (keys as RunStore.create_submission's run specs); its job exists, its agent was checked."""
-    status = run.get("status", "queued")
-    _check_status(status)
+    status = _check_status(run.get("status", RunStatus.QUEUED))
     if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run["run_id"])).first() is not None:
         raise StoreError(f"run {run['run_id']!r} exists already")
     predicted = run.get("predicted")
@@ -762,9 +753,12 @@ def _refuse_removed(row: sa.Row) -> None:
         )
 
 
-def _check_status(status: str) -> None:
-    if status not in RUN_STATUSES:
-        raise StoreError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
+def _check_status(status: str) -> str:
+    """The status as stored (a plain string), if it is one of RunStatus."""
+    try:
+        return RunStatus(status).value
+    except ValueError:
+        raise StoreError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}") from None
 
 
 def _check_kind(kind: str) -> None:
@@ -785,7 +779,7 @@ def _profile_version(row: sa.Row) -> ProfileVersion:
 
 def _run(row: sa.Row) -> RunRecord:
     return RunRecord(
-        run_id=row.run_id, job_id=row.job_id, agent=row.agent, kind=row.kind, status=row.status,
+        run_id=row.run_id, job_id=row.job_id, agent=row.agent, kind=row.kind, status=RunStatus(row.status),
         ram_budget_bytes=row.ram_budget_bytes, schedule_fingerprint=row.schedule_fingerprint,
         predicted=row.predicted, measured=row.measured, metrics=dict(row.metrics), detail=row.detail,
         events_stored=row.events_stored, events_acked_seq=row.events_acked_seq,

@@ -1,0 +1,71 @@
+"""The fleet's house (issue 17, part 6): one spelling of a run's status, an operator client without argparse, one CLI
+module per command group, and the coordinator split by role. Structural checks: each fails on the code before."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+import pytest
+
+import host.cli
+import host.fleet
+
+FLEET = Path(host.fleet.__file__).parent
+CLI = Path(host.cli.__file__).parent
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _imports(path: Path) -> set[str]:
+    tree = _tree(path)
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return names | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+
+def test_a_runs_status_is_spelled_once():
+    """"queued" and "does_not_fit" (statuses only a run has) appear as literals only in host/fleet/status.py."""
+    from host.fleet import serde
+    from host.fleet.status import RunStatus
+
+    found = []
+    for path in sorted([*FLEET.glob("*.py"), *CLI.glob("*.py")]):
+        if path.name == "status.py":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and node.value in ("queued", "does_not_fit"):
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+    assert found == []
+    assert set(serde.RUN_STATUS_TO_PB) == set(RunStatus)  # the proto's enum mirrors it, member for member
+    assert {serde.fleet_pb2.RunStatus.Name(v) for v in serde.RUN_STATUS_TO_PB.values()} == {
+        f"RUN_STATUS_{s.name}" for s in RunStatus}
+
+
+def test_the_operator_client_needs_no_argparse_and_the_cli_builds_no_channel():
+    from host.fleet.client import FleetClientError, OperatorClient
+
+    assert "argparse" not in _imports(FLEET / "client.py")
+    for path in CLI.glob("*.py"):
+        assert "grpc" not in _imports(path), f"{path.name} builds gRPC itself; use host.fleet.client"
+    with pytest.raises(FleetClientError, match="POET_COORDINATOR"):
+        OperatorClient.from_settings(None, "somewhere")
+
+
+def test_each_fleet_command_group_lives_in_its_own_module():
+    from host.cli import fleet
+
+    parser = argparse.ArgumentParser(prog="poet")
+    fleet.register(parser.add_subparsers(dest="command"))
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    modules = {}
+    for name, sub in commands.items():
+        func = sub.get_default("func")
+        if func is None:  # a group of subcommands
+            inner = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices
+            func = next(iter(inner.values())).get_default("func")
+        modules[name] = func.__module__
+    assert modules == {"serve": "host.cli.serve", "fleet": "host.cli.fleet", "run": "host.cli.run",
+                       "runs": "host.cli.runs", "profiles": "host.cli.profiles", "calibrate": "host.cli.calibrate"}
