@@ -69,3 +69,19 @@ def test_each_fleet_command_group_lives_in_its_own_module():
         modules[name] = func.__module__
     assert modules == {"serve": "host.cli.serve", "fleet": "host.cli.fleet", "run": "host.cli.run",
                        "runs": "host.cli.runs", "profiles": "host.cli.profiles", "calibrate": "host.cli.calibrate"}
+
+
+def test_the_coordinator_is_thin_servicers_over_roles_over_one_state():
+    """Flower's shape: the servicers hand each request to a role (auth, jobs, planning, ingestion) over the shared
+    state; the roles never import the servicers, and Coordinator only composes them (one-statement methods)."""
+    from host.fleet.service import Coordinator
+
+    for role in ("state", "auth", "jobs", "planning", "ingestion", "uploads", "calibration", "validation"):
+        assert "host.fleet.service" not in _imports(FLEET / f"{role}.py"), role
+    tree = _tree(FLEET / "service.py")
+    coordinator = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Coordinator")
+    long = [n.name for n in coordinator.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"
+            and len([s for s in n.body if not isinstance(s, ast.Expr)]) > 1]
+    assert long == []
+    assert {"auth", "jobs", "planning", "ingestion", "state"} <= set(vars(Coordinator).get("__init__").__code__.co_names)
+
