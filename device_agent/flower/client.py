@@ -11,7 +11,8 @@ A Flower user's existing ClientApp gains POET in a few lines::
 
     app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])  # SecAgg+ and the DP mods work unchanged
 
-:data:`app` is such a ClientApp configured from the SuperNode's ``--node-config`` (keys in :func:`node_from_config`).
+:data:`app` is such a ClientApp configured from the SuperNode's ``--node-config`` (keys in :data:`NODE_CONFIG_KEYS`),
+with SecAgg+ whenever the server runs it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any
 
 from flwr.client import ClientApp, NumPyClient
 from flwr.client.mod import secaggplus_mod
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from device_agent.agent.facts import parse_bytes
 from device_agent.flower.node import PoetNode
 
-__all__ = ["NODE_CONFIG_KEYS", "PoetClient", "app", "client_fn", "node_from_config"]
+__all__ = ["NODE_CONFIG_KEYS", "PoetClient", "app", "client_fn", "node_from_config", "secaggplus_when_asked"]
 
 NODE_CONFIG_KEYS = {
     "poet-data-dir": "the directory of the node's datasets (as `poet-agent run --data-dir`)",
@@ -73,4 +75,15 @@ def client_fn(context) -> Any:
     return PoetClient(node_from_config(context.node_config)).to_client()
 
 
-app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
+def secaggplus_when_asked(msg, ctxt, call_next):
+    """secaggplus_mod for the train messages of a SecAgg+ workflow; other messages pass straight through.
+
+    Flower's mod assumes every train message belongs to SecAgg+ (it fails on a plain FedAvg round): with this
+    one, a server may run with or without secure aggregation against the same nodes.
+    """
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, ctxt, call_next)
+    return call_next(msg, ctxt)
+
+
+app = ClientApp(client_fn=client_fn, mods=[secaggplus_when_asked])
