@@ -40,6 +40,7 @@ import grpc
 
 from host.fleet import serde
 from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
+from host.fleet.metrics import RunMetrics
 from host.fleet.refusal import Refused
 from host.fleet.status import RunStatus
 
@@ -147,7 +148,7 @@ def stored_runs(coordinator, run_ids: Iterable[str]) -> list:
 
     def schedule_for_run(record):
         spec = coordinator.spec(record.job_id)
-        return schedule_from_json(spec["schedules"][record.metrics["schedule_key"]], source=f"run {record.run_id}")
+        return schedule_from_json(spec["schedules"][record.run_metrics.schedule_key], source=f"run {record.run_id}")
 
     return runs_from_store(coordinator.store, run_ids, graph_for_run, schedule_for_run)
 
@@ -290,7 +291,7 @@ def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], 
         for record in records:
             if not record.status.finished:
                 waiting.append(record)
-            elif record.status == RunStatus.DONE and record.events_stored < int(record.metrics.get("events_emitted") or 0):
+            elif record.status == RunStatus.DONE and record.events_stored < record.run_metrics.events_emitted:
                 settled_at.setdefault(record.run_id, now)
                 if now - settled_at[record.run_id] < EVENTS_TIMEOUT_S:
                     waiting.append(record)
@@ -300,7 +301,7 @@ def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], 
             raise CalibrationFailed(f"{what}: runs {', '.join(r.run_id for r in waiting)} did not end within "
                                     f"{RUN_TIMEOUT_S:g} s; is the board online (`poet fleet list`)?")
         if calibration is not None:
-            progress = ", ".join(f"{r.run_id} {r.status} step {r.metrics.get('steps_done') or 0}" for r in waiting)
+            progress = ", ".join(f"{r.run_id} {r.status} step {r.run_metrics.steps_done}" for r in waiting)
             calibration.set_stage(f"{what}: {progress}")
         time.sleep(POLL_S)
 
@@ -320,9 +321,9 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     with calibration.lock:
         calibration.run_ids.append(profile_run.run_id)
     record = _wait(coordinator, calibration, [profile_run.run_id], "PROFILE job")[0]
-    if record.status != RunStatus.DONE or record.metrics.get("profile_version") is None:
+    if record.status != RunStatus.DONE or record.run_metrics.profile_version is None:
         raise CalibrationFailed(f"the PROFILE run {record.run_id} ended {record.status}: {record.detail or 'no profile'}")
-    base_version = int(record.metrics["profile_version"])
+    base_version = int(record.run_metrics.profile_version)
     base = PlatformProfile.from_dict(store.get_profile_version(agent, base_version).profile,
                                      file_label=f"profile v{base_version} of {agent}")
 
@@ -360,8 +361,8 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         if entry["run_id"] in records:
             record = records[entry["run_id"]]
             entry.update(status=record.status, error=record.detail, ram_budget_bytes=record.ram_budget_bytes,
-                         recomputes=record.metrics.get("recomputes"), page_ins=record.metrics.get("page_ins"),
-                         page_outs=record.metrics.get("page_outs"), events_stored=record.events_stored)
+                         recomputes=record.run_metrics.recomputes, page_ins=record.run_metrics.page_ins,
+                         page_outs=record.run_metrics.page_outs, events_stored=record.events_stored)
     if not done:
         raise CalibrationFailed("every calibration run failed: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
@@ -430,7 +431,7 @@ class Refiner:
                 log.warning("refining the profile with run %s failed: %s", run_id, error, exc_info=True)
                 outcome = {"status": "failed", "detail": str(error) or type(error).__name__}
             if outcome is not None:
-                self._coordinator.store.update_run(run_id, metrics={"refinement": outcome})
+                self._coordinator.store.update_run(run_id, metrics=RunMetrics.changes(refinement=outcome))
             self._queue.task_done()
 
 
@@ -456,7 +457,7 @@ def refine(coordinator, run_id: str) -> dict[str, Any] | None:
         return {"status": "skipped", "detail": f"board {record.agent!r} has no calibrated profile yet (`poet "
                                                  f"calibrate --agent {record.agent}`)"}
     provenance = latest.provenance
-    if int(record.metrics.get("steps_done") or 0) < MIN_STEPS:
+    if record.run_metrics.steps_done < MIN_STEPS:
         return {"status": "skipped", "detail": f"fewer than {MIN_STEPS} steps: nothing to hold out"}
     emulated = {s["timing_source"] for s in stored_runs(coordinator, [run_id])[0].steps if s["timing_source"]}
     if emulated:

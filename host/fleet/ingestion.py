@@ -16,6 +16,7 @@ import grpc
 
 from host.fleet import serde
 from host.fleet.jobs import Jobs
+from host.fleet.metrics import RunMetrics
 from host.fleet.refusal import Refused
 from host.fleet.state import RESULTS_DIR, FleetState
 from host.fleet.status import RunStatus
@@ -137,8 +138,8 @@ class Ingestion:
         if steps:
             with self._result_lock:  # re-read: a result stored since the batch arrived has the final count
                 run = self.store.get_run(run_id)
-                if max(steps) > int(run.metrics.get("steps_done") or 0) and not run.status.finished:
+                if max(steps) > run.run_metrics.steps_done and not run.status.finished:
                     last = max((e for e in batch.events if e.WhichOneof("event") == "step"), key=lambda e: e.step.step)
                     loss = last.step.loss if math.isfinite(last.step.loss) else None  # JSON stores no NaN
-                    self.store.update_run(run.run_id, metrics={"steps_done": max(steps), "last_loss": loss})
+                    self.store.update_run(run.run_id, metrics=RunMetrics.changes(steps_done=max(steps), last_loss=loss))
         return fleet_pb2.TelemetryAck(stream_id=batch.stream_id, run_id=run_id, stored_through_seq=acked)

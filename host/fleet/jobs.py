@@ -32,7 +32,7 @@ class Jobs:
             spec = self.state.spec(run.job_id)
             if run.status == RunStatus.QUEUED:
                 run = self.store.update_run(run.run_id, status=RunStatus.RUNNING)
-            key = run.metrics.get("schedule_key")
+            key = run.run_metrics.schedule_key
             schedule_json = spec.get("schedules", {}).get(key) if key else None
             return serde.job_message(spec, job_id=run.job_id, run_id=run.run_id, kind=run.kind,
                                      schedule_json=schedule_json)

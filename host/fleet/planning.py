@@ -28,6 +28,7 @@ import grpc
 
 from host.fleet import serde
 from host.fleet.limits import AUTO_MARGIN_BYTES, SOLVE_TIME_LIMIT_S
+from host.fleet.metrics import RunMetrics
 from host.fleet.refusal import Refused
 from host.fleet.state import FleetState
 from host.fleet.status import RunStatus
@@ -295,10 +296,11 @@ class Planner:
         job_id = f"job-{uuid.uuid4().hex[:12]}"
         run_specs = []
         for plan in plans:
-            metrics = {"schedule_key": plan.schedule_key, "min_ram_budget_bytes": plan.min_ram_budget_bytes,
-                       "steps_done": 0, **plan.counts}
+            metrics = RunMetrics.changes(schedule_key=plan.schedule_key, min_ram_budget_bytes=plan.min_ram_budget_bytes,
+                                         steps_done=0, **plan.counts)
             if plan.profile is not None:
-                metrics.update(profile_name=plan.profile["name"], profile_version=plan.profile["version"])
+                metrics.update(RunMetrics.changes(profile_name=plan.profile["name"],
+                                                  profile_version=plan.profile["version"]))
             run_specs.append({"run_id": f"run-{uuid.uuid4().hex[:12]}", "agent": plan.agent, "status": plan.status,
                               "ram_budget_bytes": plan.ram_budget_bytes, "predicted": plan.predicted,
                               "schedule_fingerprint": plan.schedule_fingerprint, "detail": plan.detail,

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from device_agent import protos
 from device_agent.serde import schedule_from_json, schedule_to_json, schedule_to_proto
+from host.fleet.metrics import RunMetrics
 from host.fleet.status import RunStatus
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
@@ -96,25 +97,24 @@ def run_info(record, spec: dict[str, Any] | None = None,
              telemetry_steps_missing: list[tuple[int, int]] | None = None):
     """A RunInfo for ``record`` (a store.RunRecord); ``spec`` is its job's spec (model, dataset, steps);
     ``telemetry_steps_missing`` the step ranges without stored step events (GetRun computes them)."""
-    metrics, spec = record.metrics, spec or {}
+    metrics, spec = record.run_metrics, spec or {}
     info = fleet_pb2.RunInfo(
         run_id=record.run_id, agent=record.agent, status=RUN_STATUS_TO_PB[record.status],
         ram_budget_bytes=float(record.ram_budget_bytes or 0), schedule_fingerprint=record.schedule_fingerprint or "",
-        events_emitted=int(metrics.get("events_emitted") or 0), events_stored=record.events_stored,
-        param_digest=metrics.get("param_digest") or "", kind=JOB_KIND_TO_PB[record.kind],
-        error=record.detail or "", min_ram_budget_bytes=float(metrics.get("min_ram_budget_bytes") or 0),
-        recomputes=int(metrics.get("recomputes") or 0), page_ins=int(metrics.get("page_ins") or 0),
-        page_outs=int(metrics.get("page_outs") or 0), steps=int(spec.get("steps") or 0),
-        steps_done=int(metrics.get("steps_done") or 0), model=spec.get("model") or "",
+        events_emitted=int(metrics.events_emitted), events_stored=record.events_stored,
+        param_digest=metrics.param_digest or "", kind=JOB_KIND_TO_PB[record.kind],
+        error=record.detail or "", min_ram_budget_bytes=float(metrics.min_ram_budget_bytes or 0),
+        recomputes=int(metrics.recomputes), page_ins=int(metrics.page_ins),
+        page_outs=int(metrics.page_outs), steps=int(spec.get("steps") or 0),
+        steps_done=int(metrics.steps_done), model=spec.get("model") or "",
         dataset=spec.get("dataset") or "",
     )
-    if metrics.get("profile_version") is not None:
-        info.profile.CopyFrom(fleet_pb2.ProfileRef(name=metrics.get("profile_name") or "",
-                                                   version=str(metrics["profile_version"])))
+    if metrics.profile_version is not None:
+        info.profile.CopyFrom(fleet_pb2.ProfileRef(name=metrics.profile_name or "", version=str(metrics.profile_version)))
     for name in ("final_loss", "accuracy_before", "accuracy_after", "max_rel_param_diff", "last_loss"):
-        if metrics.get(name) is not None:
-            setattr(info, name, float(metrics[name]))
-    refinement = metrics.get("refinement")
+        if getattr(metrics, name) is not None:
+            setattr(info, name, float(getattr(metrics, name)))
+    refinement = metrics.refinement
     if refinement:
         info.refinement.CopyFrom(fleet_pb2.ProfileRefinement(
             status=refinement.get("status", ""), profile_version=int(refinement.get("profile_version") or 0),
@@ -195,16 +195,13 @@ def profile_info_to_json(info, *, with_profile: bool = True) -> dict[str, Any]:
 
 def result_update(result) -> dict[str, Any]:
     """What a RunResult changes in the run: keyword arguments of RunStore.update_run (status, measured, metrics, detail)."""
-    metrics: dict[str, Any] = {
-        "loss_per_step": list(result.loss_per_step),
-        "final_loss": result.loss_per_step[-1] if result.loss_per_step else None,
-        "param_digest": result.param_digest,
-        "events_emitted": result.events_emitted,
-    }
+    metrics = RunMetrics.changes(loss_per_step=list(result.loss_per_step),
+                                 final_loss=result.loss_per_step[-1] if result.loss_per_step else None,
+                                 param_digest=result.param_digest, events_emitted=result.events_emitted)
     if result.loss_per_step:  # one loss per step done; the last steps' telemetry may arrive after the result
-        metrics["steps_done"] = len(result.loss_per_step)
+        metrics.update(RunMetrics.changes(steps_done=len(result.loss_per_step)))
     for name in ("accuracy_before", "accuracy_after", "max_rel_param_diff"):
-        metrics[name] = getattr(result, name) if result.HasField(name) else None
+        metrics.update(RunMetrics.changes(**{name: getattr(result, name) if result.HasField(name) else None}))
     update: dict[str, Any] = {"status": RUN_STATUS_FROM_PB[result.status], "metrics": metrics,
                               "detail": result.error or None}
     if result.HasField("measured"):

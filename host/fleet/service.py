@@ -337,7 +337,7 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     def GetRun(self, request, context, name):
         c = self.coordinator
         run = c.store.get_run(request.run_id)
-        missing = c.store.telemetry_steps_missing(run.run_id, int(run.metrics.get("steps_done") or 0))
+        missing = c.store.telemetry_steps_missing(run.run_id, run.run_metrics.steps_done)
         return serde.run_info(run, c.spec(run.job_id), telemetry_steps_missing=missing)
 
 

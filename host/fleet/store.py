@@ -38,6 +38,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from host.fleet.metrics import NAMES as METRIC_NAMES
+from host.fleet.metrics import RunMetrics
 from host.fleet.status import FINISHED, TRANSITIONS, RunStatus
 
 RUN_STATUSES = tuple(s.value for s in RunStatus)  # as stored (the runs table's check constraint names them too)
@@ -175,12 +177,17 @@ class RunRecord:
     schedule_fingerprint: str | None
     predicted: dict[str, Any] | None  # step_s, peak_ram_bytes, energy_j (+ its source label)
     measured: dict[str, Any] | None
-    metrics: dict[str, Any]  # final_loss, accuracy_before/after, param_digest, events_emitted, ...
+    metrics: dict[str, Any]  # the stored JSON of host.fleet.metrics.RunMetrics: read it typed as run_metrics
     detail: str | None  # why a run failed or does not fit (with the minimum budget)
     events_stored: int
     events_acked_seq: int
     created_at_s: float
     updated_at_s: float
+
+    @property
+    def run_metrics(self) -> RunMetrics:
+        """The metrics as typed fields."""
+        return RunMetrics.of(self.metrics)
 
     def as_json(self) -> dict[str, Any]:
         """The entry of ``poet runs list --json``: the metrics flattened beside the fixed fields."""
@@ -506,7 +513,7 @@ class RunStore:
                 if value is not _UNSET:
                     values[key] = dict(value) if isinstance(value, Mapping) else value
             if metrics is not None:
-                values["metrics"] = {**row.metrics, **metrics}
+                values["metrics"] = {**row.metrics, **_check_metrics(metrics)}
             conn.execute(sa.update(runs).where(runs.c.run_id == run_id).values(**values))
             return _run(self._run_row(conn, run_id))
 
@@ -740,7 +747,7 @@ def _insert_run(conn: sa.Connection, run: Mapping[str, Any], job_id: str, kind: 
         run_id=run["run_id"], job_id=job_id, agent=run["agent"], kind=kind, status=status,
         ram_budget_bytes=run.get("ram_budget_bytes"), schedule_fingerprint=run.get("schedule_fingerprint"),
         predicted=None if predicted is None else dict(predicted), measured=None,
-        metrics=dict(run.get("metrics") or {}), detail=run.get("detail"), events_stored=0, events_acked_seq=0,
+        metrics=_check_metrics(run.get("metrics") or {}), detail=run.get("detail"), events_stored=0, events_acked_seq=0,
         created_at_s=now_s, updated_at_s=now_s,
     ))
 
@@ -759,6 +766,15 @@ def _check_status(status: str) -> str:
         return RunStatus(status).value
     except ValueError:
         raise StoreError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}") from None
+
+
+def _check_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics to store, if each is a field of RunMetrics (host/fleet/metrics.py)."""
+    unknown = sorted(set(metrics) - METRIC_NAMES)
+    if unknown:
+        raise StoreError(f"run metric(s) {', '.join(map(repr, unknown))} are not fields of RunMetrics; add them to "
+                         "host/fleet/metrics.py")
+    return dict(metrics)
 
 
 def _check_kind(kind: str) -> None:
