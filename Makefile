@@ -42,6 +42,9 @@ demo: setup
 	# and the board's parameters are compared with PyTorch's
 	$(BIN)/poet mcu run --qemu --model mlp --batch-size 160 --ram-budget 250000 --no-remat --steps 2 \
 		--work-dir $(DEMO_DIR)/mcu
+	# Flower: a SuperLink and two SuperNodes on loopback (TLS), one FedAvg round with SecAgg+, each node under the
+	# schedule for its own RAM budget, then the same app trained plainly; the parameters are compared
+	$(BIN)/python -m poet_edge.flower.demo --rounds 1 --nodes 2 --steps 4 --dir $(DEMO_DIR)/flower
 
 test: setup
 	$(BIN)/python -m pytest -q
