@@ -2,12 +2,13 @@
 
 :class:`PoetStrategy` wraps any Flower strategy (FedAvg first): the wrapped strategy samples the nodes and
 aggregates as it always does; before each train message leaves, the wrapper asks each new node for its facts
-(one ``get_properties`` query: the facts a fleet agent registers, and the budget the node asks for), plans it
-exactly as the fleet coordinator plans a board (:meth:`host.fleet.service.Coordinator.plan_board`: the budget
-in bytes, as a share of the no-remat peak or ``auto`` from the node's memory; the node's profile; the solver
-and the schedule cache, so identical nodes cost one solve), and adds the job and the archive to that node's
-train config. A node whose budget is below the model's floor is reported (:attr:`PoetStrategy.refused`, a
-warning) and left out of the round, never crashed. ``plain=True`` sends the same job without a schedule.
+(one ``get_properties`` query: the facts a fleet agent registers, and the budget the node asks for) and plans
+it exactly as the fleet coordinator plans a board (``Coordinator.plan_board``, i.e.
+:meth:`host.fleet.planning.Planner.plan_board`): the budget in bytes, as a share of the no-remat peak or
+``auto`` from the node's memory; the node's profile; the solver and the schedule cache, so identical nodes
+cost one solve. The job and the archive go in that node's train config. A node whose budget is below the
+model's floor is reported (:attr:`PoetStrategy.refused`, a warning) and left out of the round, never crashed.
+``plain=True`` sends the same job without a schedule.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from device_agent.flower.node import (
 )
 from host.fleet import serde
 from host.fleet.model_package import package_model
-from host.fleet.service import DEFAULT_RUNTIME_FACTOR, Coordinator
+from host.fleet.planning import DEFAULT_RUNTIME_FACTOR
+from host.fleet.service import Coordinator
+from host.fleet.status import RunStatus
 from host.fleet.store import RunStore, sqlite_url
 from host.fleet.validation import BoardInputError, check_facts
 
@@ -145,11 +148,11 @@ class PoetStrategy(Strategy):
         request.ram_budget.CopyFrom(self.node_budgets[proxy.node_id])
         board, schedule_json = self.planner.plan_board(agent, self.package.graph, request, self.optimizer,
                                                        self.runtime_budget)
-        plan = {"node": proxy.node_id, "status": board.status, "ram_budget_bytes": board.ram_budget_bytes,
+        plan = {"node": proxy.node_id, "status": str(board.status), "ram_budget_bytes": board.ram_budget_bytes,
                 "min_ram_budget_bytes": board.min_ram_budget_bytes, "predicted": board.predicted,
                 "predicted_counts": board.counts, "profile": board.profile, "detail": board.detail}
         self.plans[proxy.node_id] = plan
-        if board.status != "queued":
+        if board.status != RunStatus.QUEUED:
             return plan, None
         return plan, serde.job_message(self.spec, job_id=f"flower-r{server_round}", run_id=uuid.uuid4().hex[:12],
                                        kind="train", schedule_json=schedule_json)
