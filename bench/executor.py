@@ -129,45 +129,56 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
     spec = get_model_spec(model)
-    scheduled, plain, floor, functions = (spec.bundle(batch_size, seed=0) for _ in range(4))
+    scheduled, plain, floor, autograd = (spec.bundle(batch_size, seed=0) for _ in range(4))
     traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
     priced = price_graph(traced.graph, load_profile("a72"))
     schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
     sgd_a, sgd_b, sgd_c, sgd_d = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
-                                  for b in (scheduled, plain, floor, functions))
+                                  for b in (scheduled, plain, floor, autograd))
     floor_partition = partition_from_traced(trace_model(floor, granularity=granularity, block_depth=depth))
-    functions_partition = partition_from_traced(trace_model(functions, granularity=granularity, block_depth=depth))
-    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": [], "functions": []}
+    autograd_partition = partition_from_traced(trace_model(autograd, granularity=granularity, block_depth=depth))
+    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": [], "autograd": []}
+    # POET as a user gets it (node functions, later steps lowered to one program), and every node under autograd
     with ScheduleExecutor(partition_from_traced(traced), schedule) as executor, \
-            ScheduleExecutor(functions_partition, schedule, node_functions=True) as functions_executor:
+            ScheduleExecutor(autograd_partition, schedule, node_functions=False) as autograd_executor:
         runs = {
             "schedule": lambda: executor.train_step(scheduled.inputs, scheduled.labels, sgd_a),
-            "functions": lambda: functions_executor.train_step(functions.inputs, functions.labels, sgd_d),
+            "autograd": lambda: autograd_executor.train_step(autograd.inputs, autograd.labels, sgd_d),
             "plain": lambda: plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b),
             "floor": lambda: _per_node_autograd_step(floor_partition, floor.inputs, floor.labels, sgd_c),
         }
-        for step in range(steps + 2):  # interleaved; the first two of each are warm-up
+        for step in range(steps + 2):  # interleaved; the first two of each are warm-up (and capture)
             for name, run in runs.items():
                 started = time.perf_counter()
                 run()
                 if step >= 2:
                     times_s[name].append(time.perf_counter() - started)
-    paired = sorted(a / b for a, b in zip(times_s["schedule"], times_s["plain"], strict=True))
-    floor_paired = sorted(a / b for a, b in zip(times_s["floor"], times_s["plain"], strict=True))
-    functions_paired = sorted(a / b for a, b in zip(times_s["functions"], times_s["plain"], strict=True))
+        lowered = executor.train_step(scheduled.inputs, scheduled.labels, sgd_a).lowered
+
+    def paired(name: str) -> list[float]:
+        return sorted(a / b for a, b in zip(times_s[name], times_s["plain"], strict=True))
+
+    ratios = paired("schedule")
+    instructions = len(schedule.instructions)
+    plain_s = statistics.median(times_s["plain"])
     return {
         "granularity": granularity if granularity == "layer" else f"block:{depth}",
         "nodes": traced.graph.size,
-        "instructions": len(schedule.instructions),
-        "plain_s": statistics.median(times_s["plain"]),
+        "instructions": instructions,
+        "plain_s": plain_s,
         "schedule_s": statistics.median(times_s["schedule"]),
-        "ratio": statistics.median(paired),  # median over steps of schedule/plain, each pair back to back
-        "ratio_q1": paired[len(paired) // 4],
-        "ratio_q3": paired[(3 * len(paired)) // 4],
-        "floor_ratio": statistics.median(floor_paired),
-        "functions_s": statistics.median(times_s["functions"]),
-        "functions_ratio": statistics.median(functions_paired),
-        "autograd_nodes": len(functions_executor.autograd_nodes),
+        "ratio": statistics.median(ratios),  # median over steps of schedule/plain, each pair back to back
+        "ratio_q1": ratios[len(ratios) // 4],
+        "ratio_q3": ratios[(3 * len(ratios)) // 4],
+        "floor_ratio": statistics.median(paired("floor")),
+        "autograd_s": statistics.median(times_s["autograd"]),
+        "autograd_ratio": statistics.median(paired("autograd")),
+        # what each instruction costs beyond plain PyTorch's step, from the median ratios
+        "overhead_us_per_instruction": (statistics.median(ratios) - 1) * plain_s / instructions * 1e6,
+        "autograd_overhead_us_per_instruction": (statistics.median(paired("autograd")) - 1) * plain_s / instructions
+        * 1e6,
+        "lowered": lowered,
+        "autograd_nodes": len(executor.autograd_nodes),
     }
 
 
@@ -700,29 +711,33 @@ def _mb(value) -> str:
 
 def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
     print(f"\n## 1. {model}: no memory pressure: keep-all schedule against plain PyTorch, batch {batch_size} "
-          f"(one process per allocator setting, the two interleaved; medians of {args.overhead_steps} steps; "
-          "ratio: median of the per-step ratios, with its quartiles; floor: the same nodes run one by one with "
-          "one autograd call each, without the executor's store, hooks and telemetry; functions: the executor "
-          "with node_functions=True, nodes as forward and backward functions without autograd, 'autograd' of "
-          "them running under autograd instead)\n", file=log)
+          f"(one process per allocator setting, all interleaved; medians of {args.overhead_steps} steps; "
+          "ratio: median of the per-step ratios, with its quartiles; POET: the executor as users get it, node "
+          "functions and every step after the first lowered to one straight-line program; autograd: the same "
+          "executor with node_functions=False, every node under autograd (the executor before the lowering); "
+          "floor: the same nodes run one by one with one autograd call each, without the executor's store, "
+          "hooks and telemetry; us/instr: the overhead per instruction beyond plain PyTorch's step)\n", file=log)
     print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
-          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'floor ratio':>12} {'functions':>10} "
-          f"{'autograd':>8}", file=log)
+          f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'us/instr':>9} {'autograd':>9} {'us/instr':>9} "
+          f"{'floor':>6} {'lowered':>8}", file=log)
     rows = []
     for allocator in ("glibc default", "glibc keeps freed memory"):
         config = {"model": model, "batch_size": batch_size, "steps": args.overhead_steps, "threads": args.threads}
         for row in _spawn(config, mode="--run-overhead", allocator=allocator):
             print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
                   f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
-                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['floor_ratio']:>12.3f} "
-                  f"{row['functions_ratio']:>10.3f} {row['autograd_nodes']:>8}", file=log, flush=True)
+                  f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['overhead_us_per_instruction']:>9.1f} "
+                  f"{row['autograd_ratio']:>9.3f} {row['autograd_overhead_us_per_instruction']:>9.1f} "
+                  f"{row['floor_ratio']:>6.3f} {'yes' if row['lowered'] else 'no':>8}", file=log, flush=True)
             rows.append({"model": model, "batch_size": batch_size, "allocator": allocator,
                          "granularity": row["granularity"], "nodes": row["nodes"],
                          "instructions": row["instructions"], "plain_s_per_step": row["plain_s"],
                          "poet_s_per_step": row["schedule_s"], "ratio": row["ratio"], "ratio_q1": row["ratio_q1"],
                          "ratio_q3": row["ratio_q3"], "floor_ratio": row["floor_ratio"],
-                         "node_functions_s_per_step": row["functions_s"], "node_functions_ratio": row["functions_ratio"],
-                         "node_functions_autograd_nodes": row["autograd_nodes"]})
+                         "overhead_us_per_instruction": row["overhead_us_per_instruction"],
+                         "autograd_s_per_step": row["autograd_s"], "autograd_ratio": row["autograd_ratio"],
+                         "autograd_overhead_us_per_instruction": row["autograd_overhead_us_per_instruction"],
+                         "lowered": row["lowered"], "autograd_nodes": row["autograd_nodes"]})
     return rows
 
 

@@ -1,21 +1,25 @@
 """Run a POET Schedule on a real model: every compute, page-out, page-in and free, and nothing else.
 
-How backward stays exact without hidden work: a fwd/loss node's program runs under autograd with
-``saved_tensors_hooks``. Each tensor autograd saves is replaced by a handle naming where it lives:
-a parameter/buffer/label (kept as is), a storage of an input node's entry, or a storage of this
-node's own entry (its outputs plus the internals its backward needs). The node's RAM entry is exactly
-those storages, so freeing it really releases them; a page-in rebuilds them byte for byte; a
-recompute rebuilds them and the node's autograd graph. A bwd node runs ``torch.autograd.grad`` on the
-node's graph with the upstream gradients read from its consumers' bwd entries; every saved tensor is
-read back from the RAM store, and a missing one is an error rather than a silent recomputation.
+Two ways to run a node, both exact (bitwise equal to plain PyTorch where the kernels are deterministic):
 
-Recomputation is invisible to the mathematics: a recomputed program replays the RNG state of its first
-run (same dropout mask) and its buffer updates are undone (BatchNorm statistics move once per step).
+- **Node functions** (the default): a fwd/loss node runs as the forward and backward functions of
+  ``node_functions.py``, cut from its joint forward-backward graph, without autograd. The forward returns the
+  tensors its backward reads; each is classified by where it lives (the node's own entry, the entry of the
+  input it views, or fixed: a parameter, buffer or label, or a pinned internal) and held exactly there, so
+  freeing an entry really releases it; a page-in rebuilds it byte for byte. The backward takes them with the
+  output gradients and returns every gradient. The first step of a batch shape runs instruction by
+  instruction and captures the functions; every later step runs as one straight-line program generated from
+  the instructions (``lowering.py``).
+- **Autograd**: a node whose program cannot be split exactly (or whose functions would hold more bytes than
+  the trace priced), or every node with ``node_functions=False``, runs under autograd with
+  ``saved_tensors_hooks``: each tensor autograd saves is replaced by a handle naming where it lives, and its
+  bwd node runs ``torch.autograd.grad`` on the node's graph with the upstream gradients read from its
+  consumers' bwd entries.
 
-With ``node_functions=True`` a fwd/loss node runs as the forward and backward functions of
-``node_functions.py`` instead, without autograd: the forward returns the tensors its backward reads, which
-are classified and held exactly as the hooks' are (own entry, producer's entry, fixed or pinned), and the
-backward takes them with the output gradients and returns every gradient.
+Either way every saved tensor is read back from the RAM store, and a missing one is an error rather than a
+silent recomputation. Recomputation is invisible to the mathematics: a recomputed program replays the RNG
+state of its first run (same dropout mask) and its buffer updates are undone or not applied (BatchNorm
+statistics move once per step).
 """
 
 from __future__ import annotations
@@ -178,7 +182,7 @@ class ScheduleExecutor:
         drop_page_cache: bool = True,
         return_freed_memory: bool = False,
         instrumented: bool = False,
-        node_functions: bool = False,
+        node_functions: bool = True,
         log: Callable[[str], None] | None = None,
     ):
         self.partition = partition
@@ -210,10 +214,11 @@ class ScheduleExecutor:
         self.step_index = 0
         self.totals = Counters()
         self._records: dict[int, _GraphRecord | _SavedRecord] = {}
-        # node_functions=True: fwd/loss nodes run as forward and backward functions without autograd, captured
-        # at their first compute (node_functions.py); a node whose program AOTAutograd cannot split exactly
-        # runs under autograd instead (listed in autograd_nodes). Off by default until the host's trace prices
-        # the tensors these functions save (they may save less than autograd: hf_bert 1.34 MB instead of 1.65)
+        # node_functions (the default): fwd/loss nodes run as forward and backward functions without autograd,
+        # captured at their first compute (node_functions.py), and later steps as one straight-line program
+        # (lowering.py). A node whose program AOTAutograd cannot split exactly, or whose functions would hold
+        # more bytes than the trace priced (the schedule's budget rests on them), runs under autograd instead
+        # (listed in autograd_nodes, with the reason). node_functions=False runs every node under autograd.
         self.node_functions = node_functions
         self._functions: dict[int, NodeFunctions | None] = {}
         self.autograd_nodes: dict[int, str] = {}  # node -> why it runs under autograd
@@ -703,6 +708,10 @@ class ScheduleExecutor:
             receiving = {name for name in program.output_values
                          if name in partition.grad_senders or name == partition.loss_value}
             functions = capture_node_functions(program, fed, receiving)
+            excess = self._bytes_beyond_price(program, functions, fed)
+            if excess > 0:  # the schedule's budget would not hold: autograd saves what the trace priced
+                raise NodeCaptureError(f"{program.name!r}: its forward function holds {excess} bytes more than "
+                                       "the trace priced")
         except NodeCaptureError as error:
             functions = None
             self.autograd_nodes[program.index] = str(error)
@@ -710,6 +719,25 @@ class ScheduleExecutor:
                 self._log(f"{error}; it runs under autograd (slower, as exact)")
         self._functions[program.index] = functions
         return functions
+
+    def _bytes_beyond_price(self, program, functions: NodeFunctions, fed: list[torch.Tensor]) -> int:
+        """How many bytes more than the trace priced the node's entry would hold with these functions (its
+        outputs, and the saved tensors that join the entry), from one run of the forward function."""
+        if functions.backward is None:
+            return 0
+        rng = torch.get_rng_state()
+        try:
+            with torch.no_grad():
+                results = functions.forward(*functions.arguments, *fed)
+        finally:
+            torch.set_rng_state(rng)
+        count = functions.output_count
+        held = [*results[:count]]
+        if not program.pinned_internals:  # else the internals it saves are pinned, outside the entry
+            held += [t for k, t in enumerate(results[count + len(functions.buffers):]) if k not in functions.saved_buffers]
+        elsewhere = {k for t in (*fed, *self.partition.fixed_tensors) if (k := storage_key(t)) is not None}
+        entry = {k for t in held if (k := storage_key(t)) is not None} - elsewhere
+        return sum(nbytes for _, nbytes in entry) - self.partition.nodes[program.index].output_bytes
 
     def _forward_functions(self, op: PlannedOp, state: _Step, program, functions: NodeFunctions) -> int:
         fed, input_keys = self._fed(program, state)
@@ -738,7 +766,9 @@ class ScheduleExecutor:
                 state.loss = float(output)
         if op.graph and functions.backward is not None:
             packer = _Packer(op.node, input_keys, state.fixed_keys)
-            saved = [packer.pack(t) for t in results[count + len(functions.buffers):]]
+            buffers_of = functions.saved_buffers
+            saved = [packer.pack(functions.buffers[buffers_of[k]] if k in buffers_of else t)
+                     for k, t in enumerate(results[count + len(functions.buffers):])]
             pinned_bytes = _place_saved(packer.pending, program.pinned_internals, output_keys, builder)
             input_meta = {name: (x.shape, x.dtype) for name, x in zip(program.input_values, fed, strict=True)
                           if name in grad_inputs}
@@ -747,8 +777,9 @@ class ScheduleExecutor:
             self._pin(pinned_bytes)
             if state.notes is not None:
                 state.notes.forward[state.position] = ForwardNote(
-                    tuple(("keep",) if item.node is None else ("own", item.view) if item.node == op.node
-                          else ("producer", item.node, item.view) for item in saved),
+                    tuple(("buffer", buffers_of[k]) if k in buffers_of else ("keep",) if item.node is None
+                          else ("own", item.view) if item.node == op.node
+                          else ("producer", item.node, item.view) for k, item in enumerate(saved)),
                     tuple(record.output_meta), input_meta)
         del results, outputs, fed
         return self.ram.put(builder.build())

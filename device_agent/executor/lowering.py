@@ -40,7 +40,8 @@ __all__ = ["BackwardNote", "ForwardNote", "LoweredStep", "LoweringNotes", "lower
 @dataclass(frozen=True)
 class ForwardNote:
     """Where each saved tensor of a fwd/loss compute lives: ``("keep",)`` (fixed or pinned: held by the
-    record), ``("own", view)`` (in this node's entry) or ``("producer", node, view)`` (in an input's entry)."""
+    record), ``("buffer", i)`` (the node's i-th buffer, see ``NodeFunctions.saved_buffers``), ``("own", view)``
+    (in this node's entry) or ``("producer", node, view)`` (in an input's entry)."""
 
     saved: tuple[tuple, ...]
     output_meta: tuple[tuple[torch.Size, torch.dtype], ...]  # of its outputs
@@ -301,6 +302,8 @@ def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], po
             saved.append(f"s{n}_{k}")
         elif where[0] == "keep":
             saved.append(f"k{n}_{k}")
+        elif where[0] == "buffer":
+            saved.append(src.const(function.buffers[where[1]], "buffer"))
         else:
             _, producer, view = where
             saved.append(_producer_view(src, partition, notes, producer, view, out_slot))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
@@ -49,6 +49,10 @@ class NodeFunctions:
     differentiable_outputs: tuple[int, ...]  # output positions whose gradient the backward takes, in order
     saved_count: int
     gradient_strides: tuple[tuple[int, ...], ...] = ()  # the layout the backward was traced with, per gradient
+    # saved position -> buffer index: a saved tensor that is a BatchNorm's updated running statistic, which its
+    # training-mode backward receives but never reads. The buffer itself is passed instead (as eager autograd
+    # saves it), so the copy the forward returned is not held until the backward.
+    saved_buffers: dict[int, int] = field(default_factory=dict)
 
     @property
     def arguments(self) -> tuple[torch.Tensor, ...]:
@@ -143,8 +147,35 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
     if backward is not None:
         placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"][saved_count:]
         strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
+    saved_buffers = _saved_running_statistics(forward, backward, output_count, len(buffers)) if backward else {}
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
-                         saved_count if backward is not None else 0, strides)
+                         saved_count if backward is not None else 0, strides, saved_buffers)
+
+
+def _saved_running_statistics(forward: GraphModule, backward: GraphModule, output_count: int,
+                              buffer_count: int) -> dict[int, int]:
+    """Saved positions that are updated buffers read only as the unused running statistics of a training-mode
+    batch-norm backward, with the buffer each one is (see ``NodeFunctions.saved_buffers``)."""
+    (output,) = (n for n in forward.graph.nodes if n.op == "output")
+    returned = output.args[0]
+    new_buffers = {node: i for i, node in enumerate(returned[output_count:output_count + buffer_count])}
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    found: dict[int, int] = {}
+    for k, node in enumerate(returned[output_count + buffer_count:]):
+        if node not in new_buffers or k >= len(placeholders):
+            continue
+        users = placeholders[k].users
+        if users and all(_ignores_running_statistics(user, placeholders[k]) for user in users):
+            found[k] = new_buffers[node]
+    return found
+
+
+def _ignores_running_statistics(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    if user.target is not torch.ops.aten.native_batch_norm_backward.default:
+        return False
+    args = user.args
+    training = len(args) > 7 and args[7] is True
+    return training and all(a is not value for i, a in enumerate(args) if i not in (3, 4))
 
 
 def _drop_dead_ops(module: GraphModule) -> None:

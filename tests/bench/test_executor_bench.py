@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 OVERHEAD_FIELDS = {"allocator", "granularity", "nodes", "plain_s_per_step", "poet_s_per_step", "ratio", "floor_ratio",
-                   "node_functions_s_per_step", "node_functions_ratio", "node_functions_autograd_nodes"}
+                   "overhead_us_per_instruction", "autograd_s_per_step", "autograd_ratio",
+                   "autograd_overhead_us_per_instruction", "lowered", "autograd_nodes"}
 METHOD_FIELDS = {"model", "budget_share", "method", "s_per_step", "j_per_step", "energy_source", "peak_rss_bytes",
                  "tracked_bytes", "fits_budget", "note"}
 
@@ -31,8 +32,9 @@ def test_json_has_both_parts_and_every_method(tmp_path):
     assert len(report["overhead"]) == 6  # two allocator settings x three granularities
     for row in report["overhead"]:
         assert OVERHEAD_FIELDS <= row.keys()
-        assert row["plain_s_per_step"] > 0 and row["poet_s_per_step"] > 0 and row["node_functions_s_per_step"] > 0
-        assert row["node_functions_autograd_nodes"] == 0  # every mlp node splits into forward and backward
+        assert row["plain_s_per_step"] > 0 and row["poet_s_per_step"] > 0 and row["autograd_s_per_step"] > 0
+        assert row["autograd_nodes"] == 0  # every mlp node splits into forward and backward ...
+        assert row["lowered"]  # ... so the timed steps ran as the straight-line program
 
     rows = {row["method"]: row for row in report["methods"]}
     assert len(rows) == len(report["methods"])  # one share: each method once

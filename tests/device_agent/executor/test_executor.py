@@ -93,17 +93,24 @@ def test_schedule_matches_plain_pytorch(model, kind, optimizer, tmp_path):
     assert len(events.steps()) == STEPS
 
 
+@pytest.mark.parametrize("node_functions", [False, True], ids=["autograd", "node-functions"])
 @pytest.mark.parametrize("model", ["mlp", "resnet18_cifar", "hf_bert"])
-def test_first_compute_stores_exactly_the_traced_bytes(model, tmp_path):
-    """A fwd node's entry (outputs + what its backward saved) has the bytes the solver priced."""
+def test_first_compute_stores_exactly_the_traced_bytes(model, node_functions, tmp_path):
+    """A fwd node's entry (outputs + what its backward saved) has the bytes the solver priced: exactly under
+    autograd, whose saved tensors the trace measures; never more with node functions (hf_bert's dropout keeps
+    a bool mask where eager autograd keeps a float one, so less)."""
     current = case(model)
     schedule, _ = schedule_for(model, "none")
     events = EventStream()
-    run_scheduled(current, schedule, steps=1, optimizer="sgd", flash_dir=tmp_path, events=events)
+    run_scheduled(current, schedule, steps=1, optimizer="sgd", flash_dir=tmp_path, events=events,
+                  node_functions=node_functions)
     nodes = current.partition.nodes
     for event in events.instructions():
         if event.kind == "compute" and nodes[event.node].kind != "bwd":
-            assert event.bytes_moved == nodes[event.node].output_bytes, event.node_name
+            if node_functions and model == "hf_bert":
+                assert event.bytes_moved <= nodes[event.node].output_bytes, event.node_name
+            else:
+                assert event.bytes_moved == nodes[event.node].output_bytes, event.node_name
         if event.kind == "compute" and nodes[event.node].kind == "bwd":
             assert event.bytes_moved <= nodes[event.node].output_bytes, event.node_name
 
@@ -131,12 +138,14 @@ def test_recompute_updates_batchnorm_statistics_once(tmp_path):
     counts = Counter(i.node for i in schedule.instructions if i.kind == "compute")
     with_buffers = {p.index for p in current.partition.programs.values() if p.buffers}
     assert any(counts[node] > 1 for node in with_buffers), "the schedule should recompute a BatchNorm node"
-    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path)
+    # Under autograd, whose buffer snapshots the control below turns off (node functions return the new
+    # statistics instead, applied on first computes only: test_node_functions checks their buffers).
+    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path, node_functions=False)
     plain, _ = run_plain(current, steps=2, optimizer="sgd")
     for (name, a), (_, b) in zip(current.bundle.module.named_buffers(), plain.module.named_buffers(), strict=True):
         assert torch.equal(a, b), name
     # Control: a recompute that keeps its buffer updates moves the running statistics twice.
-    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path,
+    run_scheduled(current, schedule, steps=2, optimizer="sgd", flash_dir=tmp_path, node_functions=False,
                   partition=without(current.partition, buffers=()))
     differs = [name for (name, a), (_, b) in zip(current.bundle.module.named_buffers(), plain.module.named_buffers(),
                                                  strict=True) if not torch.equal(a, b)]

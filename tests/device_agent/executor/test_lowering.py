@@ -129,3 +129,29 @@ def test_a_corrupted_page_fails_a_lowered_step_and_leaves_nothing(tmp_path):
         executor.pages.write = write  # the program recovers: the next step runs lowered again
         assert executor.train_step(current.bundle.inputs, current.bundle.labels, optimizer).lowered
     assert os.listdir(tmp_path) == []
+
+
+def test_a_node_whose_functions_hold_more_than_priced_runs_under_autograd(tmp_path):
+    """The schedule's budget rests on the trace's prices: functions that would hold more are not used."""
+    import dataclasses
+
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "remat")
+    first = next(p.index for p in current.partition.programs.values() if p.bwd_index is not None)
+    nodes = list(current.partition.nodes)
+    nodes[first] = dataclasses.replace(nodes[first], output_bytes=nodes[first].output_bytes - 4)
+    underpriced = dataclasses.replace(current.partition, nodes=nodes)
+    logged: list[str] = []
+    current.reset()
+    optimizer = make_optimizer("sgd", current.bundle.module)
+    with ScheduleExecutor(underpriced, schedule, flash_dir=str(tmp_path), log=logged.append) as executor:
+        results = [executor.train_step(current.bundle.inputs, current.bundle.labels, optimizer) for _ in range(2)]
+        assert list(executor.autograd_nodes) == [first]
+        assert "more than the trace priced" in executor.autograd_nodes[first]
+    assert [r.lowered for r in results] == [False, False]  # a node under autograd keeps the step interpreted
+    assert any("runs under autograd" in line for line in logged)
+    plain = current.plain_bundle()
+    plain_optimizer = make_optimizer("sgd", plain.module)
+    for _ in range(2):
+        plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, plain_optimizer)
+    assert param_diff(current.bundle.module, plain.module)[1]

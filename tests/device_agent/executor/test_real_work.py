@@ -126,7 +126,10 @@ def test_ops_and_page_bytes_match_eager_and_the_schedule(model, kind, tmp_path):
     events.subscribe(observe)
     current.reset()
     try:
-        with ScheduleExecutor(partition, schedule, flash_dir=str(tmp_path), events=events) as executor, counter:
+        # under autograd: the programs' own modules run, whose hooks mark inside and outside, and the ops are
+        # eager's (node functions run functional variants: test_node_functions_do_no_hidden_work below)
+        with ScheduleExecutor(partition, schedule, flash_dir=str(tmp_path), events=events,
+                              node_functions=False) as executor, counter:
             for _ in range(measured_step + 1):
                 records.clear()
                 executor.train_step(current.bundle.inputs, current.bundle.labels)
@@ -202,3 +205,66 @@ def test_ops_and_page_bytes_match_eager_and_the_schedule(model, kind, tmp_path):
     assert 0 <= read - expected_read <= STATM_READ_MAX_BYTES * counts["page_ins"]
     if kind in ("paging", "mixed"):
         assert written > 0 and read >= expected_read > 0
+
+
+def _step_work(executor, current) -> tuple[list, Counter, int, object]:
+    """Step 1 of ``executor`` (step 0 captures the node functions): ops per instruction when ``observe`` sees
+    events synchronously, the step's ops, and the bytes it wrote."""
+    counter = _OpCounter()
+    per_instruction: list = []
+    last = Counter()
+
+    def observe(event):
+        nonlocal last
+        if event.type == "instruction":
+            now = Counter(counter.outside)
+            per_instruction.append((event, _work(now - last)))
+            last = now
+
+    executor.events.subscribe(observe)
+    executor.train_step(current.bundle.inputs, current.bundle.labels)
+    per_instruction.clear()
+    with counter:
+        wchar = _read_io()[0]["wchar"]
+        result = executor.train_step(current.bundle.inputs, current.bundle.labels)
+        wchar = _read_io()[0]["wchar"] - wchar
+    return per_instruction, _work(counter.outside), wchar, result
+
+
+@pytest.mark.parametrize("model,kind", CASES, ids=[f"{m}-{k}" for m, k in CASES])
+def test_node_functions_do_no_hidden_work(model, kind, tmp_path):
+    """With node functions, interpreted (instrumented: events as each instruction ends) a recompute runs exactly
+    its node's first run, frees and page transfers run no op; the lowered program runs exactly the same ops and
+    writes exactly the same page bytes as that interpreted step."""
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("needs Linux's /proc/self/io")
+    current = case(model)
+    schedule, _ = schedule_for(model, kind)
+    nodes = current.partition.nodes
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    current.reset()
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path / "a"), events=EventStream(keep=False),
+                          instrumented=True) as executor:
+        per_instruction, interpreted, interpreted_written, result = _step_work(executor, current)
+        assert not result.lowered and not executor.autograd_nodes
+    assert len(per_instruction) == len(schedule.instructions)
+    first_run: dict[int, Counter] = {}
+    for event, work in per_instruction:
+        if event.kind != "compute":
+            assert not work, f"{event.kind} of {event.node_name!r} ran ops: {work}"
+        elif event.recompute and nodes[event.node].kind != "bwd":
+            assert work == first_run[event.node], f"recompute of {event.node_name!r} ran other ops"
+        elif event.recompute:
+            assert work <= first_run[event.node], f"recompute of {event.node_name!r}"
+        else:
+            first_run[event.node] = work
+    assert sum((work for _, work in per_instruction), Counter()) <= interpreted  # + the optimizer's
+    current.reset()
+    with ScheduleExecutor(current.partition, schedule, flash_dir=str(tmp_path / "b"),
+                          events=EventStream(keep=False)) as executor:
+        _, lowered, lowered_written, result = _step_work(executor, current)
+        assert result.lowered
+    assert lowered == interpreted
+    assert lowered_written == interpreted_written
+    assert (lowered_written > 0) == (schedule.counts()["page_outs"] > 0)
