@@ -41,6 +41,7 @@ import grpc
 from host.fleet import serde
 from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
 from host.fleet.metrics import RunMetrics
+from host.fleet.planning import Planner
 from host.fleet.refusal import Refused
 from host.fleet.status import RunStatus
 
@@ -139,18 +140,18 @@ def runs_from_store(store, run_ids: Iterable[str], graph_for_run: Callable[[Any]
     return runs
 
 
-def stored_runs(coordinator, run_ids: Iterable[str]) -> list:
+def stored_runs(planner: Planner, run_ids: Iterable[str]) -> list:
     """:func:`runs_from_store` with each run's graph and schedule rebuilt from its job as the coordinator stored it."""
     from device_agent.serde import schedule_from_json
 
     def graph_for_run(record):
-        return coordinator.job_graph(coordinator.spec(record.job_id))
+        return planner.job_graph(planner.state.spec(record.job_id))
 
     def schedule_for_run(record):
-        spec = coordinator.spec(record.job_id)
+        spec = planner.state.spec(record.job_id)
         return schedule_from_json(spec["schedules"][record.run_metrics.schedule_key], source=f"run {record.run_id}")
 
-    return runs_from_store(coordinator.store, run_ids, graph_for_run, schedule_for_run)
+    return runs_from_store(planner.store, run_ids, graph_for_run, schedule_for_run)
 
 
 def split_run(run, steps: Iterable[int]):
@@ -208,14 +209,14 @@ class Calibration:
             log.info("calibration %s of %s: %s", self.calibration_id, self.agent, text)
 
 
-def _registry(coordinator) -> dict[str, Calibration]:
-    return coordinator.calibrations
+def _registry(planner: Planner) -> dict[str, Calibration]:
+    return planner.state.calibrations
 
 
-def start_calibration(coordinator, request, *, operator: str):
+def start_calibration(planner: Planner, request, *, operator: str):
     """Check the request, start the calibration thread, and return its CalibrationInfo."""
 
-    agents = {a.name: a for a in coordinator.store.list_agents()}
+    agents = {a.name: a for a in planner.store.list_agents()}
     if request.agent not in agents:
         listing = ", ".join(sorted(agents)) or "none has registered"
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -233,7 +234,7 @@ def start_calibration(coordinator, request, *, operator: str):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"calibration model {foreign[0][:200]!r} is not a zoo model; calibrate with zoo models (see "
                       "`poet models`)")
-    calibrations = _registry(coordinator)
+    calibrations = _registry(planner)
     with _START_LOCK:
         busy = [c for c in calibrations.values() if c.agent == request.agent and c.status == "running"]
         if busy:
@@ -243,14 +244,14 @@ def start_calibration(coordinator, request, *, operator: str):
         calibration = Calibration(f"cal-{uuid.uuid4().hex[:12]}", request.agent, operator, models, steps,
                                   request.batch_size or DEFAULT_BATCH_SIZE)
         calibrations[calibration.calibration_id] = calibration
-    threading.Thread(target=_run, args=(coordinator, calibration), name=f"calibrate-{request.agent}",
+    threading.Thread(target=_run, args=(planner, calibration), name=f"calibrate-{request.agent}",
                      daemon=True).start()
     return calibration.info()
 
 
-def calibration_info(coordinator, calibration_id: str):
+def calibration_info(planner: Planner, calibration_id: str):
 
-    calibration = _registry(coordinator).get(calibration_id)
+    calibration = _registry(planner).get(calibration_id)
     if calibration is None:
         raise Refused(grpc.StatusCode.NOT_FOUND,
                        f"no calibration {calibration_id!r} on this coordinator (calibrations in progress are "
@@ -258,9 +259,9 @@ def calibration_info(coordinator, calibration_id: str):
     return calibration.info()
 
 
-def _run(coordinator, calibration: Calibration) -> None:
+def _run(planner: Planner, calibration: Calibration) -> None:
     try:
-        report = calibrate(coordinator, calibration)
+        report = calibrate(planner, calibration)
     except Exception as error:  # the thread's end: every failure is the calibration's outcome
 
         message = error.message if isinstance(error, Refused) else str(error) or type(error).__name__
@@ -278,10 +279,10 @@ def _request(calibration: Calibration, **fields):
                                       optimizer=fleet_pb2.OPTIMIZER_SGD, **fields)
 
 
-def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], what: str) -> list:
+def _wait(planner: Planner, calibration: Calibration | None, run_ids: Sequence[str], what: str) -> list:
     """The runs once each ended (and, when done, once its telemetry is all stored); progress goes to the
     calibration's stage when there is one."""
-    store = coordinator.store
+    store = planner.store
     deadline = time.monotonic() + RUN_TIMEOUT_S
     settled_at: dict[str, float] = {}
     while True:
@@ -306,21 +307,21 @@ def _wait(coordinator, calibration: Calibration | None, run_ids: Sequence[str], 
         time.sleep(POLL_S)
 
 
-def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
+def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     """The calibration's steps (module docstring); returns the report `poet calibrate --json` prints."""
     from device_agent.agent.datasets import SYNTHETIC_DATASET
     from host.calibrate.fit import energy_mape, fit_profile, predict_step, step_time_mape
     from host.costs import PlatformProfile
 
-    store, agent = coordinator.store, calibration.agent
+    store, agent = planner.store, calibration.agent
     started = time.time()
 
     # 1. the micro-benchmarks: version k
     calibration.set_stage("PROFILE job: the board measures its compute and flash")
-    profile_run = coordinator.submit(_request(calibration, kind=fleet_pb2.JOB_KIND_PROFILE))[0]
+    profile_run = planner.submit(_request(calibration, kind=fleet_pb2.JOB_KIND_PROFILE))[0]
     with calibration.lock:
         calibration.run_ids.append(profile_run.run_id)
-    record = _wait(coordinator, calibration, [profile_run.run_id], "PROFILE job")[0]
+    record = _wait(planner, calibration, [profile_run.run_id], "PROFILE job")[0]
     if record.status != RunStatus.DONE or record.run_metrics.profile_version is None:
         raise CalibrationFailed(f"the PROFILE run {record.run_id} ended {record.status}: {record.detail or 'no profile'}")
     base_version = int(record.run_metrics.profile_version)
@@ -337,7 +338,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
                           runtime_budget=runtime_factor, profile_version=base_version, no_paging=no_paging,
                           no_remat=no_remat)
             for fraction in fractions:  # the heavy schedules: the smallest share the model can be trained in
-                run = coordinator.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(
+                run = planner.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(
                     fraction_of_peak=fraction), **fields))[0]
                 budget_note = f"{fraction:.0%} of the no-remat peak"
                 if serde.RUN_STATUS_FROM_PB[run.status] == RunStatus.QUEUED:
@@ -351,7 +352,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
     if not queued:
         raise CalibrationFailed("no calibration run could be scheduled: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
-    records = {r.run_id: r for r in _wait(coordinator, calibration, queued, "calibration runs")}
+    records = {r.run_id: r for r in _wait(planner, calibration, queued, "calibration runs")}
 
     # 3. fit on the even steps, compare on the odd steps from 3
     calibration.set_stage("fitting")
@@ -367,7 +368,7 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
         raise CalibrationFailed("every calibration run failed: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
 
-    runs = stored_runs(coordinator, done)
+    runs = stored_runs(planner, done)
     fit_runs = [split_run(r, fit_steps) for r in runs]
     held_runs = [split_run(r, heldout_steps) for r in runs]
     if not any(r.steps for r in held_runs) or not any(r.instructions for r in fit_runs):
@@ -412,8 +413,8 @@ def calibrate(coordinator, calibration: Calibration) -> dict[str, Any]:
 class Refiner:
     """Refines calibrated boards' profiles from their ordinary runs, one run at a time, in a thread of its own."""
 
-    def __init__(self, coordinator) -> None:
-        self._coordinator = coordinator
+    def __init__(self, planner: Planner) -> None:
+        self._planner = planner
         self._queue: queue.Queue[str] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="refine-profiles", daemon=True)
         self._thread.start()
@@ -426,12 +427,12 @@ class Refiner:
         while True:
             run_id = self._queue.get()
             try:
-                outcome = refine(self._coordinator, run_id)
+                outcome = refine(self._planner, run_id)
             except Exception as error:  # one failed refinement never stops the next
                 log.warning("refining the profile with run %s failed: %s", run_id, error, exc_info=True)
                 outcome = {"status": "failed", "detail": str(error) or type(error).__name__}
             if outcome is not None:
-                self._coordinator.store.update_run(run_id, metrics=RunMetrics.changes(refinement=outcome))
+                self._planner.store.update_run(run_id, metrics=RunMetrics.changes(refinement=outcome))
             self._queue.task_done()
 
 
@@ -442,14 +443,14 @@ def _split_halves(run):
     return split_run(run, fit_steps), split_run(run, heldout_steps)
 
 
-def refine(coordinator, run_id: str) -> dict[str, Any] | None:
+def refine(planner: Planner, run_id: str) -> dict[str, Any] | None:
     """Refit the run's board on its calibration runs plus its newest ordinary runs; store the refit when it
     predicts their held-out steps at least as well. Returns what the run's metrics record (None: not a case)."""
     from host.calibrate.fit import fit_profile, step_time_mape
     from host.costs import PlatformProfile
 
-    store = coordinator.store
-    record = _wait(coordinator, None, [run_id], f"run {run_id}")[0]
+    store = planner.store
+    record = _wait(planner, None, [run_id], f"run {run_id}")[0]
     if record.kind not in ("train", "verify") or record.status != RunStatus.DONE:
         return None
     latest = store.latest_profile(record.agent)
@@ -459,7 +460,7 @@ def refine(coordinator, run_id: str) -> dict[str, Any] | None:
     provenance = latest.provenance
     if record.run_metrics.steps_done < MIN_STEPS:
         return {"status": "skipped", "detail": f"fewer than {MIN_STEPS} steps: nothing to hold out"}
-    emulated = {s["timing_source"] for s in stored_runs(coordinator, [run_id])[0].steps if s["timing_source"]}
+    emulated = {s["timing_source"] for s in stored_runs(planner, [run_id])[0].steps if s["timing_source"]}
     if emulated:
         return {"status": "skipped", "detail": f"the run's step times are {', '.join(sorted(emulated))}, not the "
                                                  "board's own: they would mislead its profile"}
@@ -470,7 +471,7 @@ def refine(coordinator, run_id: str) -> dict[str, Any] | None:
     base = PlatformProfile.from_dict(store.get_profile_version(record.agent, base_version).profile,
                                      file_label=f"profile v{base_version} of {record.agent}")
     current = PlatformProfile.from_dict(latest.profile, file_label=f"profile v{latest.version} of {record.agent}")
-    halves = [_split_halves(r) for r in stored_runs(coordinator, calibration_ids + train_ids)]
+    halves = [_split_halves(r) for r in stored_runs(planner, calibration_ids + train_ids)]
     fit_runs = [fit for fit, _ in halves if fit.instructions]
     held_runs = [held for _, held in halves if held.steps]
     fitted = fit_profile(base, fit_runs, note=f"refinement of v{latest.version} of {record.agent} with {run_id}")

@@ -83,12 +83,11 @@ class Coordinator:
         self.planning = Planner(self.state, packager=packager, solve_time_limit_s=solve_time_limit_s,
                                 local_profile=local_profile)
         self.ingestion = Ingestion(self.state, self.jobs)
-        self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
         self.refiner = None
         if refine_profiles:
             from host.fleet.calibration import Refiner
 
-            self.refiner = Refiner(self)
+            self.refiner = Refiner(self.planning)
         self.ingestion.refiner = self.refiner
 
     # ------------------------------------------------------------------------------------ the shared state
@@ -123,6 +122,10 @@ class Coordinator:
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.state.heartbeat_timeout_s
+
+    @property
+    def calibrations(self) -> dict[str, Any]:
+        return self.state.calibrations
 
     @property
     def solve_count(self) -> int:
@@ -366,7 +369,7 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     def Calibrate(self, request, context, name):
         from host.fleet.calibration import start_calibration
 
-        info = start_calibration(self.coordinator, request, operator=name)
+        info = start_calibration(self.coordinator.planning, request, operator=name)
         log.info("%s started calibration %s of %s", name, info.calibration_id, request.agent)
         return info
 
@@ -374,7 +377,7 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     def GetCalibration(self, request, context, name):
         from host.fleet.calibration import calibration_info
 
-        return calibration_info(self.coordinator, request.calibration_id)
+        return calibration_info(self.coordinator.planning, request.calibration_id)
 
     @_handler(OPERATOR)
     def StatModel(self, request, context, name):

@@ -41,6 +41,7 @@ class FleetState:
         self.work = threading.Condition()  # notified whenever work may have appeared
         self.generation = 0  # bumped with each notification
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
+        self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
 
     def notify_work(self) -> None:
         with self.work:

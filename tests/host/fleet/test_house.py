@@ -85,3 +85,17 @@ def test_the_coordinator_is_thin_servicers_over_roles_over_one_state():
     assert long == []
     assert {"auth", "jobs", "planning", "ingestion", "state"} <= set(vars(Coordinator).get("__init__").__code__.co_names)
 
+
+def test_calibration_drives_the_planner_it_is_given_not_the_coordinator():
+    """Calibration submits runs and reads graphs through host/fleet/planning.py's Planner (typed), not by duck typing
+    the Coordinator; its registry lives in the shared state."""
+    import inspect
+
+    from host.fleet import calibration
+    from host.fleet.planning import Planner
+
+    assert "Coordinator" not in (FLEET / "calibration.py").read_text()
+    for function in (calibration.start_calibration, calibration.calibration_info, calibration.calibrate,
+                     calibration.refine, calibration.stored_runs, calibration.Refiner):
+        assert inspect.signature(function, eval_str=True).parameters["planner"].annotation is Planner
+
