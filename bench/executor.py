@@ -37,8 +37,11 @@ the dispatcher; its tracked bytes are what its compiled forward saves for backwa
 Energy: the best energy meter of this machine where one exists (``measured:rapl``, ...), else modelled
 (process CPU time x the profile's power, ``modelled:cpu-time×power``); ``energy_source`` says which.
 Torch threads: ``--threads`` (default 1, stable on a shared machine; the profile's power is for that many).
-``--json`` prints one JSON object on stdout (keys ``overhead``, ``methods``, ``budgets``); the tables go to
-stderr then.
+3. Paging overlap: a paging-only schedule at 30% run with page transfers on the executor's I/O thread behind
+   compute, and with each transfer waited for at its instruction (``overlap_paging=False``), interleaved.
+
+``--json`` prints one JSON object on stdout (keys ``overhead``, ``methods``, ``budgets``, ``overlap``); the
+tables go to stderr then.
 """
 
 from __future__ import annotations
@@ -180,6 +183,71 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
         "lowered": lowered,
         "autograd_nodes": len(executor.autograd_nodes),
     }
+
+
+# ----------------------------------------------------------------------------- part 3: paging overlap
+def overlap_rows(model: str, batch_size: int, share: float, steps: int, threads: int, flash_dir: str,
+                 time_limit_s: float) -> list[dict]:
+    """A paging-only schedule at ``share`` of the no-remat peak, run with page transfers on the I/O thread
+    behind compute and with each transfer waited for at its instruction, steps interleaved in one process."""
+    from device_agent.executor import ScheduleExecutor
+    from host.costs import load_profile, price_graph
+    from host.graph.partition import partition_from_traced
+    from host.graph.trace import trace_model
+    from host.graph.zoo import get_model_spec
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    torch.set_num_threads(threads)
+    spec = get_model_spec(model)
+    bundles = {"overlapped": spec.bundle(batch_size, seed=0), "in place": spec.bundle(batch_size, seed=0)}
+    traced = {name: trace_model(bundle, granularity="layer") for name, bundle in bundles.items()}
+    priced = price_graph(traced["overlapped"].graph, load_profile("m0"))  # flash cheap against compute: pages
+    budget = share * no_remat_peak_bytes(priced)
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, remat=False, runtime_factor=4.0,
+                                                 time_limit_s=time_limit_s))
+    if result.schedule is None:
+        return [{"model": model, "error": f"no paging schedule at {share:.0%}: {result.status}"}]
+    schedule = result.schedule
+    times_s: dict[str, list[float]] = {name: [] for name in bundles}
+    paging_s: dict[str, list[float]] = {name: [] for name in bundles}
+    with tempfile.TemporaryDirectory(dir=flash_dir) as pages:
+        executors = {name: ScheduleExecutor(partition_from_traced(traced[name]), schedule, flash_dir=pages,
+                                            overlap_paging=name == "overlapped") for name in bundles}
+        optimizers = {name: torch.optim.SGD(bundle.module.parameters(), lr=0.01) for name, bundle in bundles.items()}
+        try:
+            for step in range(steps + 2):
+                for name, bundle in bundles.items():
+                    started = time.perf_counter()
+                    outcome = executors[name].train_step(bundle.inputs, bundle.labels, optimizers[name])
+                    if step >= 2:
+                        times_s[name].append(time.perf_counter() - started)
+                        paging_s[name].append(outcome.summary.paging_s)
+        finally:
+            for executor in executors.values():
+                executor.close()
+    counts = schedule.counts()
+    base = statistics.median(times_s["in place"])
+    return [{"model": model, "batch_size": batch_size, "budget_share": share, "mode": name,
+             "page_outs": counts["page_outs"], "page_ins": counts["page_ins"],
+             "s_per_step": statistics.median(times_s[name]), "paging_s_per_step": statistics.median(paging_s[name]),
+             "saved_s_per_step": base - statistics.median(times_s[name])} for name in bundles]
+
+
+def _print_overlap(model: str, args, batch_size: int, log) -> list[dict]:
+    print(f"\n## 3. {model}: a paging-only schedule at 30% of the no-remat peak (m0 profile, layer granularity, "
+          f"batch {batch_size}), page transfers overlapped with compute or waited for in place, interleaved, "
+          f"medians of {args.overhead_steps} steps; paging s: the transfers' own time\n", file=log)
+    config = {"model": model, "batch_size": batch_size, "share": 0.3, "steps": args.overhead_steps,
+              "threads": args.threads, "flash_dir": os.path.abspath(args.flash_dir), "time_limit_s": args.time_limit}
+    rows = _spawn(config, mode="--run-overlap")
+    print(f"{'mode':<12} {'page-outs':>9} {'page-ins':>8} {'s/step':>9} {'paging s':>9} {'saved s':>9}", file=log)
+    for row in rows:
+        if "error" in row:
+            print(row["error"], file=log)
+            continue
+        print(f"{row['mode']:<12} {row['page_outs']:>9} {row['page_ins']:>8} {row['s_per_step']:>9.4f} "
+              f"{row['paging_s_per_step']:>9.4f} {row['saved_s_per_step']:>9.4f}", file=log, flush=True)
+    return rows
 
 
 # ----------------------------------------------------------------------------- part 2: the alternatives
@@ -818,17 +886,23 @@ def main() -> None:
                         help="solve part 2 on the quick local profile as measured, without fitting it to the "
                              "executor's telemetry first")
     parser.add_argument("--no-paging", dest="paging", action="store_false", help="part 2: POET recomputes only")
-    parser.add_argument("--part", type=int, choices=[1, 2], help="run only this part (default: both)")
+    parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)
     parser.add_argument("--run-peak", help=argparse.SUPPRESS)
     parser.add_argument("--run-overhead", help=argparse.SUPPRESS)
+    parser.add_argument("--run-overlap", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_timed:
         print(json.dumps(run_timed(json.loads(args.run_timed))))
         return
     if args.run_peak:
         print(json.dumps(run_peak(json.loads(args.run_peak))))
+        return
+    if args.run_overlap:
+        config = json.loads(args.run_overlap)
+        print(json.dumps(overlap_rows(config["model"], config["batch_size"], config["share"], config["steps"],
+                                      config["threads"], config["flash_dir"], config["time_limit_s"])))
         return
     if args.run_overhead:
         config = json.loads(args.run_overhead)
@@ -840,7 +914,7 @@ def main() -> None:
     print(f"# Executor benchmark: {', '.join(models)}, {args.threads} torch thread(s), torch {torch.__version__}",
           file=log)
     report = {"torch": torch.__version__, "threads": args.threads, "models": models, "budget_shares": args.budgets,
-              "overhead": [], "methods": [], "budgets": [], "errors": []}
+              "overhead": [], "methods": [], "budgets": [], "overlap": [], "errors": []}
     if args.part in (None, 1):
         for model in models:
             batch_size = args.overhead_batch_size or BATCH_SIZES.get(model, (128, 64))[0]
@@ -866,6 +940,13 @@ def main() -> None:
             report["methods"] += rows
         print("\nnote: torch.utils.checkpoint (and selective checkpointing) recomputes BatchNorm forwards and so moves "
               "the running statistics twice per step; POET's recomputations do not.", file=log)
+    if args.part in (None, 3):
+        for model in models:
+            batch_size = args.batch_size or BATCH_SIZES.get(model, (128, 64))[1]
+            try:
+                report["overlap"] += _print_overlap(model, args, batch_size, log)
+            except Exception as error:  # noqa: BLE001
+                _failed(report, model, 3, error, log)
     if args.json:
         print(json.dumps(report, default=str))
     if report["errors"]:

@@ -183,6 +183,7 @@ class ScheduleExecutor:
         return_freed_memory: bool = False,
         instrumented: bool = False,
         node_functions: bool = True,
+        overlap_paging: bool = True,
         log: Callable[[str], None] | None = None,
     ):
         self.partition = partition
@@ -220,6 +221,8 @@ class ScheduleExecutor:
         # more bytes than the trace priced (the schedule's budget rests on them), runs under autograd instead
         # (listed in autograd_nodes, with the reason). node_functions=False runs every node under autograd.
         self.node_functions = node_functions
+        # lowered steps run page transfers on an I/O thread behind compute (lowering.LoweringRuntime)
+        self.overlap_paging = overlap_paging
         self._functions: dict[int, NodeFunctions | None] = {}
         self.autograd_nodes: dict[int, str] = {}  # node -> why it runs under autograd
         # With node functions, every step after the first of a batch shape runs as one straight-line program
@@ -243,6 +246,8 @@ class ScheduleExecutor:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Drop every tensor and remove the page directory. Idempotent; safe on an exception path."""
+        if self._lowered is not None:
+            self._lowered.runtime.close()
         self._drop_records()
         self.ram.clear()
         if self.pages is not None:
@@ -288,6 +293,8 @@ class ScheduleExecutor:
         if shape_key != self._shape_key:  # functions and programs are traced for one shape of batch
             self._functions.clear()
             self.autograd_nodes.clear()
+            if self._lowered is not None:
+                self._lowered.runtime.close()
             self._lowered = None
             self._shape_key = shape_key
         lowered = self._lowered
@@ -322,7 +329,8 @@ class ScheduleExecutor:
             self._lowered = lower_step(
                 partition, self.ops, self._functions, state.notes,
                 LoweringRuntime(partition, self.pages, meter_read, self.rss.rss_bytes), self._plain_run,
-                _accumulate_grad, trim=self._trim)
+                _accumulate_grad, trim=self._trim, ram_budget_bytes=self.ram_budget_bytes,
+                overlap=self.overlap_paging)
             self._lowered_counters = counters
             self._lowered_peak_pinned_bytes = self.peak_pinned_bytes
         summary = StepSummary(
@@ -450,6 +458,7 @@ class ScheduleExecutor:
         runtime = lowered.runtime
         runtime.moved.clear()
         runtime.metered.clear()
+        runtime.transfer_s.clear()
         clock_s = [0.0] * (len(self.ops) + 1)
         rss_start = self.rss.rss_bytes()
         rss = [rss_start]
@@ -461,9 +470,7 @@ class ScheduleExecutor:
         state.loss = float(loss) if loss is not None else float("nan")
         self.peak_pinned_bytes = self._lowered_peak_pinned_bytes
         ops = self.ops
-        paging_s = 0.0
-        for position in runtime.metered:
-            paging_s += clock_s[position + 1] - clock_s[position]
+        paging_s = sum(runtime.transfer_s.values())  # the transfers' own time, in the I/O thread
         compute_s = 0.0
         for position in lowered.compute_positions:
             compute_s += clock_s[position + 1] - clock_s[position]
@@ -489,7 +496,8 @@ class ScheduleExecutor:
         rss_bytes = rss_start
         emit = self.events.emit
         for position, op in enumerate(self.ops):
-            duration_s = clock_s[position + 1] - clock_s[position]
+            # a page transfer's own time (it overlaps the instructions before it), else the program's clock
+            duration_s = runtime.transfer_s.get(position, clock_s[position + 1] - clock_s[position])
             moved = runtime.moved.get(position, notes.moved_bytes[position])
             energy_j, source, cpu_s = None, "", None
             metered = runtime.metered.get(position)
@@ -500,7 +508,7 @@ class ScheduleExecutor:
             node = nodes[op.node]
             emit(InstructionEvent(
                 step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s, int(moved),
-                notes.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source))
+                lowered.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source))
 
     def _plain_run(self, index: int, recompute: bool, *fed: torch.Tensor) -> tuple:
         """A node no backward reads, as the interpreted step runs it (RNG replayed, buffers left alone on a
@@ -908,6 +916,11 @@ class ScheduleExecutor:
 
     def _abort(self) -> None:
         """After a failure: nothing stays in RAM or on flash, gradients are dropped, buffers restored."""
+        if self._lowered is not None:  # transfers still in flight finish before their files are removed
+            try:
+                self._lowered.runtime.drain()
+            except BaseException:  # noqa: BLE001 - the step's own error is the one raised
+                pass
         self._drop_records()
         self.ram.clear()
         if self.pages is not None:

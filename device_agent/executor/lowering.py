@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -67,34 +68,92 @@ class LoweringNotes:
 
 
 class LoweringRuntime:
-    """What the generated program calls besides kernels: the page store and the meter around transfers."""
+    """What the generated program calls besides kernels: the page store, behind one I/O thread.
+
+    Page transfers overlap compute. A page-out starts as soon as its entry is complete (and no page file is
+    deleted before the schedule's page-out, so flash never holds more than the schedule's peak); the RAM it
+    reads is held until the transfer ends, which the node's RAM free waits for. A page-in starts as early as
+    the RAM accounting allows: its buffers are charged from the instruction that starts it, and that never
+    takes tracked RAM above the budget (or above the step's peak without one). One thread runs every
+    transfer and delete in program order, so the page store sees them one at a time, as when interpreted.
+    Each transfer's own time and meter readings are taken in that thread: telemetry reports what the flash
+    did, not how long the program waited.
+    """
 
     def __init__(self, partition: Partition, pages, meter_read: Callable, rss: Callable[[], int]) -> None:
         self.partition = partition
         self.pages = pages
         self.meter_read = meter_read
         self.rss = rss
-        self.moved: dict[int, int] = {}  # position -> bytes a page transfer moved
-        self.metered: dict[int, tuple] = {}  # position -> (before, after) meter readings
+        self.moved: dict[int, int] = {}  # position -> bytes a page transfer or delete moved
+        self.metered: dict[int, tuple] = {}  # position -> (before, after) meter readings around a transfer
+        self.transfer_s: dict[int, float] = {}  # position -> seconds the transfer itself took
+        self._writes: dict[int, Future] = {}  # node -> its page-out in flight
+        self._reads: dict[int, Future] = {}  # node -> its page-in in flight
+        self._pending: list[Future] = []  # deletes
+        self._io: ThreadPoolExecutor | None = None
 
-    def page_out(self, position: int, node: int, names: tuple[str, ...], outputs: tuple, saved: tuple) -> None:
-        before = self.meter_read()
+    def start_page_out(self, position: int, node: int, names: tuple[str, ...], outputs: tuple, saved: tuple) -> None:
         builder = EntryBuilder(node)
         for name, tensor in zip(names, outputs, strict=True):
             builder.add_named(name, tensor)
         for tensor in saved:
             builder.add(tensor)
-        self.moved[position] = self.pages.write(node, self.partition.nodes[node].name, builder.build())
-        self.metered[position] = (before, self.meter_read())
+        entry = builder.build()
+        name = self.partition.nodes[node].name
+        self._writes[node] = self._submit(position, lambda: self.pages.write(node, name, entry))
 
-    def page_in(self, position: int, node: int):
-        before = self.meter_read()
-        entry, self.moved[position] = self.pages.read(node)
-        self.metered[position] = (before, self.meter_read())
+    def finish_page_out(self, node: int) -> None:
+        self._writes.pop(node).result()
+
+    def start_page_in(self, position: int, node: int) -> None:
+        self._reads[node] = self._submit(position, lambda: self.pages.read(node))
+
+    def finish_page_in(self, node: int):
+        entry, _ = self._reads.pop(node).result()
         return entry
 
     def free_flash(self, position: int, node: int) -> None:
-        self.moved[position] = self.pages.delete(node)
+        def delete() -> int:
+            self.moved[position] = self.pages.delete(node)
+            return 0
+        self._pending.append(self._io_thread().submit(delete))
+
+    def drain(self) -> None:
+        """Wait for every transfer and delete; re-raise the first failure."""
+        futures = [*self._writes.values(), *self._reads.values(), *self._pending]
+        self._writes.clear()
+        self._reads.clear()
+        self._pending.clear()
+        first: BaseException | None = None
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 - every transfer is waited for before one is raised
+                first = first or error
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
+    def _submit(self, position: int, transfer: Callable) -> Future:
+        def run():
+            before = self.meter_read()
+            started = time.perf_counter()
+            result = transfer()
+            self.transfer_s[position] = time.perf_counter() - started
+            self.metered[position] = (before, self.meter_read())
+            self.moved[position] = result if isinstance(result, int) else result[1]
+            return result
+        return self._io_thread().submit(run)
+
+    def _io_thread(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poet-paging")
+        return self._io
 
 
 @dataclass
@@ -108,6 +167,7 @@ class LoweredStep:
     rss_position: int  # the instruction after which RSS is read: where tracked RAM first peaks
     peak_tracked_bytes: int
     compute_positions: tuple[int, ...]
+    in_use_bytes: tuple[int, ...]  # tracked RAM after each instruction: the interpreted step's, plus prefetches
 
 
 class _Source:
@@ -130,11 +190,13 @@ class _Source:
 
 def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, NodeFunctions | None],
                notes: LoweringNotes, runtime: LoweringRuntime, plain_run: Callable,
-               accumulate_grad: Callable, trim: Callable[[int], object] | None = None) -> LoweredStep:
+               accumulate_grad: Callable, trim: Callable[[int], object] | None = None,
+               ram_budget_bytes: float = 0.0, overlap: bool = True) -> LoweredStep:
     """Generate the straight-line program of ``ops`` from what the interpreted step noted.
 
     ``plain_run(node, recompute, *inputs)`` runs a program without a backward (no functions) as the interpreted
-    step does; ``accumulate_grad(param, grad, shared=...)`` is AccumulateGrad's rule."""
+    step does; ``accumulate_grad(param, grad, shared=...)`` is AccumulateGrad's rule. ``overlap``: page
+    transfers run behind compute (see :class:`LoweringRuntime`); without it each waits at its instruction."""
     src = _Source()
     ns = src.namespace
     programs = partition.programs
@@ -147,33 +209,50 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     own_in_entry: dict[int, list[int]] = {}  # fwd node -> own saved positions its entry holds now
     keep_alive: dict[int, list[str]] = {}  # fwd node -> locals its live record keeps (fixed, pinned)
     own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
+    writing: set[int] = set()  # nodes whose page-out is in flight
+    in_use = list(notes.in_use_bytes)
+    writes_after, reads_before = _transfer_starts(ops, in_use, ram_budget_bytes) if overlap else ({}, {})
     ns["_plain"] = plain_run
     ns["_acc"] = accumulate_grad
     ns["_rt"] = runtime
     ns["_view"] = _view
     ns["_trim"] = trim
-    peak = max(notes.in_use_bytes, default=0)
-    rss_position = notes.in_use_bytes.index(peak) if notes.in_use_bytes else 0
+    peak = max(in_use, default=0)
+    rss_position = in_use.index(peak) if in_use else 0
     body = src.line
+
+    def start_page_out(page_out: int) -> None:
+        node = ops[page_out].node
+        names, outputs, saved = _entry_locals(partition, node, out_slot, grad_slot, own_in_entry)
+        own_on_flash[node] = own_in_entry.get(node, [])
+        body(f"_rt.start_page_out({page_out}, {node}, {src.const(names, 'names')}, ({_tuple(outputs)}), "
+             f"({_tuple(saved)}))")
+        writing.add(node)
+
     body("clock_s[0] = _clock()")
     ns["_clock"] = time.perf_counter
     body("loss = None")
     for position, op in enumerate(ops):
         node = nodes[op.node]
+        for page_in in reads_before.get(position, ()):
+            body(f"_rt.start_page_in({page_in}, {ops[page_in].node})  # prefetch")
         body(f"# {position}: {op.kind} {node.name!r}" + (" (recompute)" if op.recompute else ""))
         if op.kind == "compute" and node.kind == "bwd":
             _lower_backward(src, partition, ops, position, functions, notes, out_slot, grad_slot, keep_alive)
         elif op.kind == "compute":
             _lower_forward(src, partition, op, position, functions, notes, out_slot, own_in_entry, keep_alive)
         elif op.kind == "page_out":
-            names, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
-            own_on_flash[op.node] = own_in_entry.get(op.node, [])
-            body(f"_rt.page_out({position}, {op.node}, {src.const(names, 'names')}, ({_tuple(outputs)}), "
-                 f"({_tuple(saved)}))")
+            if op.node not in writing:  # not started early
+                start_page_out(position)
+            if not overlap:
+                body(f"_rt.finish_page_out({op.node})")
+                writing.discard(op.node)
         elif op.kind == "page_in":
+            if not any(position in started for started in reads_before.values()):
+                body(f"_rt.start_page_in({position}, {op.node})")
             own_in_entry[op.node] = own_on_flash[op.node]
             names, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
-            body(f"e = _rt.page_in({position}, {op.node})")
+            body(f"e = _rt.finish_page_in({op.node})")
             for name, local in zip(names, outputs, strict=True):
                 body(f"{local} = e.tensor({name!r})")
             note = _last_forward_note(notes, ops, position, op.node)
@@ -181,6 +260,9 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
                 body(f"s{op.node}_{k} = e.view_tensor({src.const(note.saved[k][1], 'view')})")
             body("del e")
         elif op.location == "ram":
+            if op.node in writing:  # its storages are released once the page file has them
+                body(f"_rt.finish_page_out({op.node})")
+                writing.discard(op.node)
             _, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
             if outputs or saved:
                 body(f"del {', '.join((*outputs, *saved))}")
@@ -189,15 +271,54 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
                 body("_trim(0)")
         else:
             body(f"_rt.free_flash({position}, {op.node})")
+        for page_out in writes_after.get(position, ()):
+            start_page_out(page_out)
         body(f"clock_s[{position + 1}] = _clock()")
         if position == rss_position:
             body("rss[0] = _rt.rss()")
+    body("_rt.drain()")
     body("return loss")
     source = "def lowered_step(inputs, labels, divisor, clock_s, rss):\n" + "\n".join(src.lines) + "\n"
     code = compile(source, f"<lowered step of {partition.name}>", "exec")
     exec(code, ns)  # noqa: S102 - the program is generated here from the validated schedule
     return LoweredStep(source, ns["lowered_step"], runtime, notes, rss_position, peak,
-                       tuple(position for position, op in enumerate(ops) if op.kind == "compute"))
+                       tuple(position for position, op in enumerate(ops) if op.kind == "compute"), tuple(in_use))
+
+
+def _transfer_starts(ops: list[PlannedOp], in_use: list[int], ram_budget_bytes: float
+                     ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Where transfers start when they overlap compute: page-outs after the instruction that completed their
+    entry (never before a page file is deleted: flash holds at most the schedule's peak), page-ins before the
+    earliest instruction from which their buffers fit under the budget (the step's peak without one) until
+    they are needed. ``in_use`` (tracked RAM after each instruction) is raised by each prefetch's bytes."""
+    writes_after: dict[int, list[int]] = {}
+    reads_before: dict[int, list[int]] = {}
+    limit = ram_budget_bytes or max(in_use, default=0)
+    last_made: dict[int, int] = {}  # node -> last instruction that (re)created its entry
+    last_ram_free: dict[int, int] = {}
+    last_flash_free = -1
+    for position, op in enumerate(ops):
+        if op.kind == "page_out":
+            start = max(last_made[op.node], last_flash_free)
+            if start < position - 1:
+                writes_after.setdefault(start, []).append(position)
+        elif op.kind == "page_in":
+            delta = in_use[position] - (in_use[position - 1] if position else 0)
+            lowest = last_ram_free.get(op.node, -1) + 1
+            start = position
+            while start - 1 >= lowest and start - 2 >= 0 and in_use[start - 2] + delta <= limit:
+                start -= 1
+            if start < position:
+                reads_before.setdefault(start, []).append(position)
+                for i in range(start, position):
+                    in_use[i] += delta
+        if op.kind == "compute" or op.kind == "page_in":
+            last_made[op.node] = position
+        elif op.kind == "free" and op.location == "ram":
+            last_ram_free[op.node] = position
+        elif op.kind == "free":
+            last_flash_free = position
+    return writes_after, reads_before
 
 
 def _tuple(items: list[str]) -> str:
