@@ -12,7 +12,8 @@ A Flower user's existing ClientApp gains POET in a few lines::
     app = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])  # SecAgg+ and the DP mods work unchanged
 
 :data:`app` is such a ClientApp configured from the SuperNode's ``--node-config`` (keys in :data:`NODE_CONFIG_KEYS`),
-with SecAgg+ whenever the server runs it.
+with SecAgg+ whenever the server runs it, and client-side clipping whenever the server wraps its strategy in
+Flower's DifferentialPrivacyClientSideFixedClipping.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from flwr.client import ClientApp, NumPyClient
-from flwr.client.mod import secaggplus_mod
+from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from device_agent.agent.facts import parse_bytes
 from device_agent.flower.node import PoetNode
 
-__all__ = ["NODE_CONFIG_KEYS", "PoetClient", "app", "client_fn", "node_from_config", "secaggplus_when_asked"]
+__all__ = ["NODE_CONFIG_KEYS", "PoetClient", "app", "client_fn", "fixedclipping_when_asked", "node_from_config",
+           "secaggplus_when_asked"]
 
 NODE_CONFIG_KEYS = {
     "poet-data-dir": "the directory of the node's datasets (as `poet-agent run --data-dir`)",
@@ -86,4 +90,16 @@ def secaggplus_when_asked(msg, ctxt, call_next):
     return call_next(msg, ctxt)
 
 
-app = ClientApp(client_fn=client_fn, mods=[secaggplus_when_asked])
+def fixedclipping_when_asked(msg, ctxt, call_next):
+    """fixedclipping_mod (client-side clipping for central DP) when the server's DP wrapper sends a clipping norm.
+
+    Inside the SecAgg+ mod, so the update is clipped before it is quantized and masked (Flower's order).
+    """
+    try:
+        asked = KEY_CLIPPING_NORM in recorddict_compat.recorddict_to_fitins(msg.content, keep_input=True).config
+    except (KeyError, TypeError, ValueError):  # not a train message with FitIns (query, SecAgg+ key stages)
+        asked = False
+    return fixedclipping_mod(msg, ctxt, call_next) if asked else call_next(msg, ctxt)
+
+
+app = ClientApp(client_fn=client_fn, mods=[secaggplus_when_asked, fixedclipping_when_asked])

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from flwr.common import parameters_to_ndarrays
 from flwr.server import LegacyContext, ServerApp, ServerConfig
-from flwr.server.strategy import FedAvg
+from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
 from host.flower.strategy import PoetStrategy
@@ -33,6 +33,10 @@ RUN_CONFIG: dict[str, Any] = {
     "poet-runtime-budget": 1.2,
     "poet-plain": False,  # the same app, trained with ordinary PyTorch
     "poet-secagg": True,  # SecAgg+ (the nodes' ClientApp must carry secaggplus_mod)
+    # Central DP with client-side fixed clipping (Flower's DifferentialPrivacyClientSideFixedClipping; the nodes'
+    # ClientApp must carry fixedclipping_mod): the clipping norm of each node's update (0: off) and the noise.
+    "poet-dp-clipping-norm": 0.0,
+    "poet-dp-noise-multiplier": 0.0,
     "poet-min-nodes": 2,
     "poet-work-dir": "",  # required: the server's traced model, schedule cache and planner store
     "poet-report": "",  # where to write the JSON report ("" for none)
@@ -75,6 +79,10 @@ def main(grid, context) -> None:
     config = run_config(dict(context.run_config))
     nodes = int(config["poet-min-nodes"])
     inner = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=nodes, min_available_clients=nodes)
+    if float(config["poet-dp-clipping-norm"]) > 0:
+        inner = DifferentialPrivacyClientSideFixedClipping(
+            inner, noise_multiplier=float(config["poet-dp-noise-multiplier"]),
+            clipping_norm=float(config["poet-dp-clipping-norm"]), num_sampled_clients=nodes)
     strategy = PoetStrategy(
         inner, model=str(config["poet-model"]), work_dir=str(config["poet-work-dir"]),
         ram_budget=config["poet-ram-budget"], steps=int(config["poet-steps"]), lr=float(config["poet-lr"]),
@@ -93,4 +101,6 @@ def main(grid, context) -> None:
                                           max_weight=float(strategy.examples_per_round))
     DefaultWorkflow(fit_workflow=fit_workflow)(grid, legacy)
     if config["poet-report"]:
-        write_report(strategy, config["poet-report"], secure_aggregation=bool(config["poet-secagg"]))
+        write_report(strategy, config["poet-report"], secure_aggregation=bool(config["poet-secagg"]),
+                     dp_clipping_norm=float(config["poet-dp-clipping-norm"]),
+                     dp_noise_multiplier=float(config["poet-dp-noise-multiplier"]))

@@ -71,3 +71,37 @@ def test_each_node_is_planned_from_its_facts_and_one_below_the_floor_is_left_out
         names, initial = archive_arrays(next((tmp_path / "server" / "models").glob("*.pt2")))
         assert list(final.files) == names
         assert any(not np.array_equal(final[n], a) for n, a in zip(names, initial, strict=True))  # it trained
+
+
+@pytest.mark.slow  # a real Flower deployment: SuperLink, two SuperNodes, one round with SecAgg+ and DP (about 4 minutes)
+def test_central_dp_with_client_side_clipping_and_secagg_around_poet(tmp_path):
+    """PoetStrategy around Flower's DifferentialPrivacyClientSideFixedClipping(FedAvg), SecAgg+ on: each node trains
+    under its schedule, its update is clipped by the mod before masking, so the global update's norm is the norm."""
+    from device_agent.agent.demo_data import make_demo
+    from device_agent.flower import archive_arrays
+    from poet_edge.flower.deployment import Deployment, write_app
+
+    configs = []
+    for index in range(2):
+        make_demo(tmp_path / f"n{index}" / "data", "digits", shard=(index + 1, 2))
+        configs.append({"poet-data-dir": str(tmp_path / f"n{index}" / "data"), "poet-dataset": "digits",
+                        "poet-work-dir": str(tmp_path / f"n{index}" / "work"), "poet-platform": "a72",
+                        "poet-ram-budget": "80%"})
+    clip = 1e-3  # far below an unclipped update of 2 SGD steps at lr 0.05 (0.06 here)
+    report_path = tmp_path / "report.json"
+    app = write_app(tmp_path / "app", {"num-rounds": 1, "poet-min-nodes": 2, "poet-steps": 2, "poet-batch-size": 32,
+                                       "poet-dp-clipping-norm": clip, "poet-dp-noise-multiplier": 0.0,
+                                       "poet-work-dir": str(tmp_path / "server"), "poet-report": str(report_path)})
+    with Deployment(tmp_path, configs, echo=False) as deployment:
+        deployment.run(app, {}, timeout_s=1200)
+    report = json.loads(report_path.read_text())
+    assert report["failures"] == [] and report["refused"] == [] and report["secure_aggregation"] is True
+    assert report["dp_clipping_norm"] == clip
+    [entry] = report["rounds"]
+    assert len(entry["nodes"]) == 2
+    assert all(n["page_outs"] + n["recomputes"] > 0 for n in entry["nodes"])  # trained under a schedule
+    names, initial = archive_arrays(next((tmp_path / "server" / "models").glob("*.pt2")))
+    with np.load(report_path.with_suffix(".npz")) as final:
+        update = np.concatenate([(final[n].astype(np.float64) - a).ravel() for n, a in zip(names, initial, strict=True)])
+    # The mean of two clipped updates: at most the norm (plus SecAgg+'s quantization, about 2e-5 over 26k weights).
+    assert 0 < np.linalg.norm(update) <= clip * 1.1
