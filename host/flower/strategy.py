@@ -122,8 +122,11 @@ class PoetStrategy(Strategy):
     def node_facts(self, proxy, server_round: int) -> dict[str, Any]:
         """The node's facts and budget, asked once with a get_properties query (StrategyConfigError if unusable)."""
         if proxy.node_id not in self.facts:
-            reply = proxy.get_properties(GetPropertiesIns(config={}), timeout=self.query_timeout_s,
-                                         group_id=str(server_round))
+            try:
+                reply = proxy.get_properties(GetPropertiesIns(config={}), timeout=self.query_timeout_s,
+                                             group_id=str(server_round))
+            except Exception as error:  # the node's ClientApp failed or the query timed out: this node only
+                raise StrategyConfigError(f"node {proxy.node_id} did not answer the facts query: {error}") from None
             properties = reply.properties
             if PROPERTY_FACTS not in properties:
                 raise StrategyConfigError(f"node {proxy.node_id} answered without {PROPERTY_FACTS!r}: run "
