@@ -28,6 +28,7 @@ from typing import Any
 from device_agent.agent.transfer import sha256_file
 from device_agent.fileio import _fsync_directory
 from host.fleet.limits import MAX_MODEL_BYTES, MODEL_CHUNK_BYTES
+from host.run.errors import UserError
 
 ARCHIVE_SUFFIX = ".pt2"  # as host.fleet.model_package writes them and boards fetch them
 PART_SUFFIX = ARCHIVE_SUFFIX + ".part"
@@ -35,7 +36,7 @@ FREE_MARGIN_BYTES = 64 * 1024 * 1024  # room kept free beside an upload (the sto
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
-class UploadError(ValueError):
+class UploadError(UserError, ValueError):
     """An upload or an uploaded model the coordinator refuses; ``kind`` says which status fits."""
 
     def __init__(self, message: str, kind: str = "invalid"):  # invalid | corrupt | busy | missing | full

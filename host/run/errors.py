@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 
-class InputError(ValueError):
+class UserError(Exception):
+    """An error whose message is a complete, user-facing explanation: what was wrong and what to do about it.
+
+    The CLI prints it as one line (exit 2, no traceback) and the coordinator answers INVALID_ARGUMENT with it. A new
+    such error derives from this class (with ValueError, RuntimeError, ... as fits) and needs no registration.
+    """
+
+
+class InputError(UserError, ValueError):
     """A bad argument: the message names it, says what was wrong and what is accepted."""
 
 
-class SolveFailedError(RuntimeError):
+class SolveFailedError(UserError, RuntimeError):
     """Training needed a schedule and the solver returned none (``status`` is infeasible, timeout or error)."""
 
     def __init__(self, status: str, message: str):
@@ -16,7 +24,10 @@ class SolveFailedError(RuntimeError):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types whose message already explains the problem and the fix (no traceback needed)."""
+    """Exception types whose message already explains the problem and the fix (no traceback needed): UserError, and
+    the user-facing errors defined before it that do not derive from it yet. Those live in host.graph, host.costs,
+    host.solver and device_agent (which cannot import host: its errors need a base of their own there); each leaves
+    this list once its module derives it from UserError."""
     from device_agent.executor import ExecutorError, PageStoreError
     from device_agent.replay import ScheduleMismatchError
     from device_agent.serde import ScheduleFormatError
@@ -31,7 +42,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from host.solver.validator import ScheduleValidationError
 
     errors: list[type[BaseException]] = [
-        InputError, ProfileError, ModelSourceError, UnknownPoet2022ModelError, UnknownModelNameError, GraphError,
+        UserError, ProfileError, ModelSourceError, UnknownPoet2022ModelError, UnknownModelNameError, GraphError,
         UnknownModelError, UnknownSolverError, BudgetError, ScheduleFormatError, ScheduleValidationError,
         ExecutorError, PageStoreError, ScheduleMismatchError,
     ]
