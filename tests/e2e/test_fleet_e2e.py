@@ -316,3 +316,46 @@ def test_a_canary_sample_planted_on_a_board_never_reaches_the_coordinator(fleet)
             assert needle not in data, f"the canary ({what}) is in the coordinator's {path.relative_to(fleet.tmp)}"
     coordinator_log = "".join(line for p in fleet.processes if not p.label.startswith("agent") for line in p.lines)
     assert str(CANARY) not in coordinator_log
+
+
+# ------------------------------------------------------------------------------------------ 9. the operator's model
+@pytest.mark.slow
+def test_an_operators_module_callable_trains_on_a_board_and_never_runs_in_the_coordinator(fleet, tmp_path,
+                                                                                          monkeypatch):
+    """`poet run --model module:callable` traces on the operator's side and uploads the archive; a real agent trains
+    it. The module is importable by the coordinator too (the previous code imported it there: its pid was marked)."""
+    import subprocess
+    import textwrap
+
+    from tests.e2e.conftest import OPERATOR, POET
+    from tests.host.cli.helpers import one_json_object, test_env
+
+    models, marker = tmp_path / "opmodels", tmp_path / "ran.txt"
+    models.mkdir()
+    (models / "digits_mlp_op.py").write_text(textwrap.dedent(f"""
+        import os
+
+        import torch
+        from torch import nn
+
+        with open({str(marker)!r}, "a") as handle:
+            handle.write(f"{{os.getpid()}}\\n")
+
+
+        def make():
+            return {{"module": nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)),
+                     "inputs": torch.rand(16, 64)}}
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(models))  # every process of this fleet could import it
+    coordinator = fleet.serve()
+    fleet.agent("b1", "1/2")
+    env = test_env() | {"POET_COORDINATOR": coordinator.address, "POET_CERTS": str(fleet.cert_dir / OPERATOR)}
+    done = subprocess.run([str(POET), "run", "--model", "digits_mlp_op:make", "--dataset", "digits", "--steps", "10",
+                           "--ram-budget", "100%", "--agents", "b1", "--wait", "--json"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    run = one_json_object(done.stdout)["runs"][0]
+    assert (run["status"], run["steps_done"], run["model"]) == ("done", 10, "digits_mlp_op:make"), dump(run)
+    ran = {int(line) for line in marker.read_text().split()}
+    assert ran and coordinator.pid not in ran and all(a.pid not in ran for a in fleet.processes[1:]), ran
+    assert len(list((fleet.state_dir / "models").glob("*.pt2"))) == 1  # the uploaded archive the board fetched
