@@ -391,16 +391,28 @@ class FleetAdminServicer(fleet_pb2_grpc.FleetAdminServicer):
     @_handler(OPERATOR)
     def UploadModel(self, request_iterator, context, name):
         uploads = self.coordinator.uploads
-        first = next(request_iterator, None)
-        if first is None:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload without chunks: send the archive's chunks")
+        # an upload that sends nothing for download_idle_s is cancelled, freeing its thread (what arrived is kept)
+        watch = IdleWatch(self.coordinator.state.download_idle_s, context.cancel)
         try:
-            stored, received = uploads.receive(first.digest, _chain(first, request_iterator))
-        except UploadError as error:
-            raise Refused(UPLOAD_STATUS[error.kind], str(error)) from None
+            chunks = _progressing(request_iterator, watch)
+            first = next(chunks, None)
+            if first is None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload without chunks: send the archive's chunks")
+            try:
+                stored, received = uploads.receive(first.digest, _chain(first, chunks))
+            except UploadError as error:
+                raise Refused(UPLOAD_STATUS[error.kind], str(error)) from None
+        finally:
+            watch.stop()
         if stored:
             log.info("%s uploaded model %s", name, first.digest)
         return fleet_pb2.StatModelReply(stored=stored, received_bytes=received, max_size_bytes=uploads.max_size_bytes)
+
+
+def _progressing(chunks, watch: IdleWatch):
+    for chunk in chunks:
+        watch.progress()
+        yield chunk
 
 
 def _chain(first, rest):

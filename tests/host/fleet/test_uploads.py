@@ -226,3 +226,24 @@ def test_an_uploaded_model_whose_graph_or_grouping_was_altered_is_refused(cert_d
     error = refused(lambda: submit_uploaded(cert_dir, port, uploaded(mlp_package, graph_json="[1, 2]")))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a TrainingGraph" in error.details()
     assert coordinator.store.list_runs() == []
+
+
+def test_an_upload_that_stalls_is_cancelled_and_resumes_from_what_arrived(cert_dir, coordinator, mlp_package):
+    """An operator's stream that stops sending holds a server thread: it is cancelled after the idle deadline."""
+    import time
+
+    coordinator.coordinator.state.download_idle_s = 1.0
+    port, digest = coordinator.port, mlp_package.digest
+    messages = list(upload_chunks(digest, mlp_package.path, 0, chunk_bytes=4096))
+
+    def stalling():
+        yield messages[0]
+        time.sleep(20)  # the coordinator cancels the call long before
+        yield from messages[1:]
+
+    started = time.monotonic()
+    error = refused(lambda: admin(cert_dir, port).UploadModel(stalling(), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.CANCELLED and time.monotonic() - started < 15
+    state = stat(cert_dir, port, digest)
+    assert not state.stored and state.received_bytes == 4096
+    assert upload(cert_dir, port, messages[1:]).stored
