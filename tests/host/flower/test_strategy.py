@@ -32,8 +32,10 @@ def test_bad_arguments_are_refused_before_anything_is_traced(tmp_path):
     assert not (tmp_path / "models").exists()
 
 
-@pytest.mark.slow  # a real Flower deployment: SuperLink, three SuperNodes, one round (about 3 minutes here)
+@pytest.mark.slow  # a real Flower deployment: SuperLink, four SuperNodes, one round (about 3 minutes here)
 def test_each_node_is_planned_from_its_facts_and_one_below_the_floor_is_left_out(tmp_path):
+    """Four SuperNodes: two planned at 80% of the peak, one at 1000 bytes (below the floor), one whose ClientApp
+    cannot start (its --node-config lacks the dataset): the last two are reported and left out."""
     from device_agent.agent.demo_data import make_demo
     from device_agent.flower import archive_arrays
     from poet_edge.flower.deployment import Deployment, write_app
@@ -45,8 +47,9 @@ def test_each_node_is_planned_from_its_facts_and_one_below_the_floor_is_left_out
         configs.append({"poet-data-dir": str(tmp_path / f"n{index}" / "data"), "poet-dataset": "digits",
                         "poet-work-dir": str(tmp_path / f"n{index}" / "work"), "poet-platform": "a72",
                         "poet-ram-budget": budget})
+    configs.append({"poet-data-dir": str(tmp_path / "n0" / "data"), "poet-work-dir": str(tmp_path / "n3" / "work")})
     report_path = tmp_path / "report.json"
-    app = write_app(tmp_path / "app", {"num-rounds": 1, "poet-min-nodes": 3, "poet-secagg": False, "poet-steps": 2,
+    app = write_app(tmp_path / "app", {"num-rounds": 1, "poet-min-nodes": 4, "poet-secagg": False, "poet-steps": 2,
                                        "poet-batch-size": 32, "poet-ram-budget": "80%",
                                        "poet-work-dir": str(tmp_path / "server"), "poet-report": str(report_path)})
     with Deployment(tmp_path, configs, echo=False) as deployment:
@@ -55,11 +58,12 @@ def test_each_node_is_planned_from_its_facts_and_one_below_the_floor_is_left_out
 
     assert report["failures"] == []
     assert report["mode"] == "poet" and report["solves"] == 1  # two nodes, one budget and profile: the cache
-    [refused] = report["refused"]
+    refused, broken = sorted(report["refused"], key=lambda r: r["status"])
+    assert broken["status"] == "failed" and "did not answer the facts query" in broken["detail"]
     assert refused["status"] == "does_not_fit" and refused["ram_budget_bytes"] == 1000
     assert "below the minimum" in refused["detail"] and refused["min_ram_budget_bytes"] > 1000
     [entry] = report["rounds"]
-    assert len(entry["nodes"]) == 2 and refused["node"] not in [n["node"] for n in entry["nodes"]]
+    assert len(entry["nodes"]) == 2 and {refused["node"], broken["node"]}.isdisjoint(n["node"] for n in entry["nodes"])
     for node in entry["nodes"]:
         predicted = node["predicted"]
         assert node["ram_budget_bytes"] == int(0.8 * 65536)  # mlp at batch 32: a 65,536-byte no-remat peak
