@@ -105,6 +105,14 @@ def _print_plan(console: Console, summary: dict, instructions: int) -> None:
     console.print(f"fixed     {fixed}")
     console.print(f"plan      {summary['recomputes']} recomputes, {summary['page_outs']} page-outs, "
                   f"{summary['page_ins']} page-ins, {instructions} instructions (validated)")
+    baselines = summary.get("baselines") or []
+    fitting = sorted((b for b in baselines if b["status"] == "feasible"), key=lambda b: b["predicted_energy_j"])
+    if fitting:
+        best = fitting[0]
+        console.print(f"baseline  best of {len(baselines)} priced ({len(fitting)} fit): {best['name']}, "
+                      f"{best['predicted_energy_j']:.6g} J (`--json` lists them)")
+    elif baselines:
+        console.print(f"baseline  none of the {len(baselines)} priced fits the budgets (`--json` lists them)")
     if summary["schedule_file"]:
         console.print(f"wrote     {summary['schedule_file']}")
     for path in summary["plots"]:
@@ -162,6 +170,16 @@ def add_optimizer_arg(parser: argparse.ArgumentParser) -> None:
                              f"count (default: {DEFAULT_OPTIMIZER})")
 
 
+def _state_the_time_limit(parser: argparse.ArgumentParser) -> None:
+    """`poet solve`'s --time-limit bounds the whole solve, not only the MILP: say so in its help."""
+    for action in parser._actions:
+        if "--time-limit" in action.option_strings:
+            action.help = ("wall-clock limit of the whole solve in seconds (warm start, baselines, model building, "
+                           "MILP, polishing and validation; tracing the model is not counted); when it passes, the "
+                           "best validated schedule so far is used with its gap, never costlier than the best "
+                           f"baseline (default {action.default:g} s)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     solve = sub.add_parser("solve", help="solve the energy-optimal schedule for a model on a platform",
                            description="Solve the energy-optimal training schedule (what to keep, recompute and "
@@ -171,6 +189,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="RAM for the controlled tensors (activations, their gradients, paged-in buffers): "
                             + RAM_BUDGET_HELP)
     add_solver_args(solve)
+    _state_the_time_limit(solve)
     add_ablation_args(solve)
     solve.add_argument("--paging-in-runtime", action="store_true",
                        help="count paging time in the runtime budget (default: not counted, as in the paper)")

@@ -132,6 +132,9 @@ class SolveReport:
     flops_per_step: float
     message: str
     interrupted: bool
+    # The baselines a user would pick instead, priced on the same profile by the validator's replay: dicts with
+    # name, status (feasible | infeasible), predicted_energy_j, peak_ram_bytes, runtime_s and message.
+    baselines: list[dict[str, Any]] = field(default_factory=list)
     schedule: Any = field(default=None, repr=False)  # device_agent.schedule.Schedule | None
     plan: Any = field(default=None, repr=False, compare=False)  # the solver's StagePlan (for plots)
     validation: Any = field(default=None, repr=False, compare=False)  # the validator's ValidationReport
@@ -215,6 +218,7 @@ def run_solve(problem: SolveProblem, progress: Callable[[Any], None] | None = No
         flops_per_step=graph.total_flops,
         message=result.message,
         interrupted=result.interrupted,
+        baselines=[baseline.to_dict() for baseline in result.baselines],
         schedule=schedule,
         plan=result.plan,
         validation=report,
@@ -263,8 +267,9 @@ def solve(
       model's no-remat peak (``"50%"``: the controlled RAM of plain training). It bounds activations,
       their gradients and paged-in buffers; weights, their gradients and optimizer state are fixed bytes.
     - ``runtime_budget``: factor of the plain forward+backward runtime, >= 1.0 (default 1.2).
-    - ``time_limit_s``: solver time limit in seconds (default 300; None: no limit). When it expires,
-      the best schedule found is returned with status ``feasible`` and its ``gap``.
+    - ``time_limit_s``: wall-clock limit of the whole solve in seconds, tracing excluded (default 300; None:
+      no limit). When it expires, the best validated schedule found is returned with status ``feasible``
+      and its ``gap``; it is never costlier than the best baseline (``baselines`` in the report).
     - ``solve_threads``: solver threads (default: the solver's choice).
     - ``solver``: ``highs`` (default), ``cbc`` or ``gurobi``.
     - ``formulation``: ``poet-edge`` (default: the fast formulation) or ``poet2022`` (the paper's MILP).

@@ -1,6 +1,9 @@
-"""Baseline schedules as stage plans: plain PyTorch, Chen et al.'s √n checkpointing, and paging.
+"""Baseline schedules as stage plans: what a user would pick instead of POET.
 
-They are compared against POET in `poet pareto`, and the best one that fits warm-starts the MILP.
+Plain PyTorch, torch's checkpoint_sequential for every number of segments, per-block checkpointing,
+Chen et al.'s √n checkpointing and paging what does not fit. `poet solve` prices them on the same
+profile, offers the cheapest that fits as the MILP's start and never answers with a costlier schedule;
+`poet pareto` draws them beside POET.
 """
 
 from __future__ import annotations
@@ -24,16 +27,67 @@ def keep_all_plan(graph: TrainingGraph) -> StagePlan:
 
 
 def checkpoint_sqrt_n_plan(graph: TrainingGraph, segment_count: int | None = None) -> StagePlan:
-    """Chen et al. (2016): keep every ⌈√n⌉-th forward node; recompute a segment once for its backward.
+    """Chen et al. (2016): keep every ⌈√n⌉-th forward node; recompute a segment once for its backward."""
+    forward = forward_order(graph)
+    stride = max(1, math.ceil(len(forward) / segment_count) if segment_count else math.ceil(math.sqrt(len(forward))))
+    return checkpoint_plan(graph, set(forward[::stride]))
+
+
+def forward_order(graph: TrainingGraph) -> list[int]:
+    """The forward nodes (and the loss) in execution order: the functions of a sequential model."""
+    return [n.index for n in graph.nodes if n.kind != "bwd"]
+
+
+def checkpoint_sequential_plan(graph: TrainingGraph, segments: int) -> StagePlan:
+    """torch.utils.checkpoint.checkpoint_sequential(functions, segments) over the forward nodes in order.
+
+    As in torch: segments of ``len(forward) // segments`` functions; each segment but the last keeps only
+    its input (the previous function's output) and recomputes the rest for its backward; the last segment
+    runs normally, keeping its activations. ``segments=1`` is plain training.
+    """
+    forward = forward_order(graph)
+    segments = max(1, min(segments, len(forward)))
+    size = len(forward) // segments
+    last_start = size * (segments - 1)
+    checkpoints = {forward[start - 1] for start in range(size, last_start + 1, size) if start > 0}
+    checkpoints |= set(forward[last_start:]) | {forward[0]}
+    return checkpoint_plan(graph, checkpoints)
+
+
+def block_boundaries(graph: TrainingGraph) -> list[int]:
+    """Forward nodes whose output is the only tensor crossing from them to the rest of the forward pass.
+
+    Residual blocks and transformer layers are joined by such single tensors (0-byte tensors, such as
+    the batch, which the caller holds, do not count as crossing).
+    """
+    forward = forward_order(graph)
+    position = {node: p for p, node in enumerate(forward)}
+    last_forward_use = [max((position[j] for j in graph.successors[i] if j in position), default=-1) for i in forward]
+    boundaries = []
+    reach = -1  # the furthest forward position read by a tensor produced before the current one
+    for p, node in enumerate(forward):
+        if reach <= p and p + 1 < len(forward):
+            boundaries.append(node)
+        if graph.nodes[node].output_bytes > 0:
+            reach = max(reach, last_forward_use[p])
+    return boundaries
+
+
+def block_checkpoint_plan(graph: TrainingGraph) -> StagePlan:
+    """Per-block checkpointing (as a user wraps each residual block or transformer layer in checkpoint):
+    keep the tensor between two blocks, recompute each block once for its backward."""
+    return checkpoint_plan(graph, set(block_boundaries(graph)))
+
+
+def checkpoint_plan(graph: TrainingGraph, checkpoints: set[int]) -> StagePlan:
+    """Keep the forward outputs in ``checkpoints`` (and the loss); recompute the others once for the backward.
 
     During the forward pass a non-checkpoint tensor lives until its last forward consumer. In a
     backward stage, missing saved tensors are recomputed from the nearest tensors in RAM and then
     kept until their last use, so each segment is recomputed once.
     """
     size = graph.size
-    forward = [n.index for n in graph.nodes if n.kind != "bwd"]
-    stride = max(1, math.ceil(len(forward) / segment_count) if segment_count else math.ceil(math.sqrt(len(forward))))
-    checkpoints = set(forward[::stride]) | {n.index for n in graph.nodes if n.kind == "loss"}
+    checkpoints = set(checkpoints) | {n.index for n in graph.nodes if n.kind == "loss"}
     last_use = graph.last_use
     last_forward_use = [
         max((j for j in graph.successors[i] if graph.nodes[j].kind != "bwd"), default=-1) for i in range(size)

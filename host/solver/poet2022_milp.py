@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from host.costs.priced_graph import PricedGraph
+from host.solver.deadline import Deadline
 from host.solver.milp import MilpProblem
 from host.solver.poet_milp import FormulationOptions
 from host.solver.stage_plan import StagePlan
@@ -19,10 +20,11 @@ from host.solver.stage_plan import StagePlan
 class Poet2022Formulation:
     name = "poet2022"
 
-    def __init__(self, priced: PricedGraph, options: FormulationOptions):
+    def __init__(self, priced: PricedGraph, options: FormulationOptions, deadline: Deadline | None = None):
         self.priced = priced
         self.graph = priced.graph
         self.options = options
+        self.deadline = deadline or Deadline.none()
         self.problem = MilpProblem("poet2022")
         self._build()
 
@@ -56,6 +58,8 @@ class Poet2022Formulation:
         p.add_row([(MOut[t, i], 1.0) for t, i in upper], 0.0, 0.0)
         p.add_row([(R[t, t], 1.0) for t in range(size)], size, size)
 
+        building = "building the model"
+        self.deadline.check(building)
         for u, v in edges:
             for t in range(size):
                 p.add_row([(R[t, v], 1.0), (R[t, u], -1.0), (SRam[t, u], -1.0)], ub=0.0)
@@ -70,6 +74,7 @@ class Poet2022Formulation:
 
         successors = graph.successors
         for t in range(size):
+            self.deadline.check(building)
             for e, (i, k) in enumerate(edges):
                 later = [j for j in successors[i] if j > k]
                 # hazards = 1 - R[t,k] + S_RAM[t+1,i] + Σ R[t,j]
@@ -85,6 +90,7 @@ class Poet2022Formulation:
         for e, (i, k) in enumerate(edges):
             incoming[k].append((e, i))
         for t in range(size):
+            self.deadline.check(building)
             p.add_row(
                 [(U[t, 0], 1.0), (R[t, 0], -cost_ram[0])] + [(SRam[t, i], -cost_ram[i]) for i in range(size)], 0.0, 0.0
             )

@@ -21,6 +21,7 @@ M_in/M_out page between them; U[t, k] is RAM after computing node k in stage t. 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from host.costs.priced_graph import PricedGraph
 from host.graph.training_graph import TrainingGraph
+from host.solver.deadline import Deadline
 from host.solver.milp import MilpProblem
 from host.solver.stage_plan import StagePlan
 
@@ -108,13 +110,23 @@ class PoetFormulation:
 
     name = "poet-edge"
 
-    def __init__(self, priced: PricedGraph, options: FormulationOptions):
+    def __init__(self, priced: PricedGraph, options: FormulationOptions, deadline: Deadline | None = None):
+        """Build the model; raises DeadlineExpired when ``deadline`` passes first."""
         self.priced = priced
         self.graph = priced.graph
         self.options = options
+        self.deadline = deadline or Deadline.none()
         self.problem = MilpProblem("poet")
         self.vars = PoetVariables()
-        self._build()
+        # Millions of small objects and no cycles: the cyclic collector's full passes only add pauses
+        # (of a second and more on large models), during which no deadline is checked.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._build()
+        finally:
+            if collecting:
+                gc.enable()
 
     # ------------------------------------------------------------------ building
     def _build(self) -> None:
@@ -128,7 +140,9 @@ class PoetFormulation:
 
         # Costs of the always-computed diagonal are a constant.
         problem.objective_offset = float(priced.compute_j.sum())
+        building = "building the model"
         for t in range(size):
+            self.deadline.check(building)
             for i in range(t):
                 if not useful[t, i]:
                     continue
@@ -140,6 +154,7 @@ class PoetFormulation:
                     if t <= last_useful[i]:
                         v.keep_flash[t, i] = problem.add_var()
         for t in range(size):
+            self.deadline.check(building)
             if opts.paging:
                 for i in range(t):
                     if (t, i) in v.keep_flash and t + 1 < size and (t + 1, i) in v.keep_ram:
@@ -162,6 +177,7 @@ class PoetFormulation:
 
         # (1) a computation needs its inputs in RAM: R[t,k] <= R[t,i] + S_RAM[t,i]
         for t in range(size):
+            self.deadline.check(building)
             for k in range(t + 1):
                 rk_terms, rk_const = r(t, k)
                 if not rk_terms and rk_const == 0.0:
@@ -172,6 +188,7 @@ class PoetFormulation:
                     problem.add_row(terms, ub=ri_const - rk_const)
         # (2) a checkpoint in RAM was there, computed, or paged in during the previous stage
         for (t, i), col in v.keep_ram.items():
+            self.deadline.check(building)  # cheap: a clock read
             if t == 0 or i == t - 1:
                 continue  # S_RAM[t, t-1] <= R[t-1, t-1] = 1 holds trivially
             prev_terms, prev_const = r(t - 1, i)
@@ -180,19 +197,23 @@ class PoetFormulation:
             problem.add_row(terms, ub=prev_const)
         # (3) a flash copy was there or was paged out during the previous stage
         for (t, i), col in v.keep_flash.items():
+            self.deadline.check(building)  # cheap: a clock read
             terms = [(col, 1.0)] + col_terms(v.keep_flash, (t - 1, i), -1.0) + col_terms(v.page_out, (t - 1, i), -1.0)
             problem.add_row(terms, ub=0.0)
         # (4) paging reads an existing copy; symmetry cuts
         for (t, i), col in v.page_in.items():
+            self.deadline.check(building)  # cheap: a clock read
             problem.add_row([(col, 1.0), (v.keep_flash[t, i], -1.0)], ub=0.0)
             problem.add_row([(col, 1.0), (v.keep_ram[t + 1, i], -1.0)], ub=0.0)
         for (t, i), col in v.page_out.items():
+            self.deadline.check(building)  # cheap: a clock read
             rt, rc = r(t, i)
             terms = [(col, 1.0)] + [(c, -a) for c, a in rt] + col_terms(v.keep_ram, (t, i), -1.0)
             problem.add_row(terms, ub=rc)
             if (t, i) in v.keep_flash:
                 problem.add_row([(col, 1.0), (v.keep_flash[t, i], 1.0)], ub=1.0)
         for (t, i), col in v.recompute.items():
+            self.deadline.check(building)  # cheap: a clock read
             if (t, i) in v.keep_ram:
                 problem.add_row([(col, 1.0), (v.keep_ram[t, i], 1.0)], ub=1.0)
 
@@ -200,6 +221,7 @@ class PoetFormulation:
         budget = opts.ram_budget_bytes
         successors = graph.successors
         for t in range(size):
+            self.deadline.check(building)
             positions = [k for k in range(t + 1) if k == t or (t, k) in v.recompute]
             base_terms = [(v.keep_ram[t, i], float(out_bytes[i])) for i in range(t) if (t, i) in v.keep_ram]
             previous: int | None = None
@@ -289,6 +311,7 @@ class PoetFormulation:
                     return None
                 x[col] = 1.0
         for t in range(graph.size):
+            self.deadline.check("mapping the warm start onto the model")
             ram_bytes, events = stage_memory(plan, graph, t)
             by_position = {k: (after, freed) for k, after, freed in events}
             for k in range(t + 1):

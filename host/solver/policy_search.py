@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from host.costs.priced_graph import PricedGraph
+from host.solver.deadline import Deadline
 from host.solver.poet_milp import stage_memory
 from host.solver.stage_plan import StagePlan
 
@@ -115,8 +116,13 @@ def greedy_policy_plan(
     max_moves: int | None = None,
     candidate_limit: int = 20,
     relief_exponent: float = 1.5,
+    deadline: Deadline | None = None,
 ) -> StagePlan | None:
-    """Greedy eviction until every stage fits; None if it gets stuck."""
+    """Greedy eviction until every stage fits; None if it gets stuck or ``deadline`` passes first.
+
+    Once every stage fits, the local search that follows stops at ``deadline`` with the plan it has.
+    """
+    deadline = deadline or Deadline.none()
     graph = priced.graph
     size = graph.size
     policy = [KEEP] * size
@@ -132,7 +138,7 @@ def greedy_policy_plan(
     for _ in range(max_moves or 4 * size):
         excess = np.maximum(peaks - ram_budget_bytes, 0.0)
         if excess.max() <= 0:
-            plan = _improve(priced, policy, plan, ram_budget_bytes, [KEEP, *moves])
+            plan = _improve(priced, policy, plan, ram_budget_bytes, [KEEP, *moves], deadline)
             if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
                 return None
             return plan
@@ -143,6 +149,8 @@ def greedy_policy_plan(
         present = held[:candidate_limit]
         best = None
         for i in present:
+            if deadline.expired():
+                return None
             if graph.nodes[i].output_bytes == 0:
                 continue
             for move in moves:
@@ -170,8 +178,9 @@ def greedy_policy_plan(
     return None
 
 
-def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget_bytes: float, options: list[str]):
-    """Local search after the greedy, until no move helps.
+def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget_bytes: float, options: list[str],
+             deadline: Deadline):
+    """Local search after the greedy, until no move helps or ``deadline`` passes (every plan it holds fits).
 
     Single moves switch one tensor's policy when that saves energy and still fits. Swap moves
     keep an evicted tensor in RAM and evict, in exchange, a tensor held across the stage that
@@ -195,6 +204,8 @@ def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget
     while improved:
         improved = False
         for i in [i for i, p in enumerate(policy) if p != KEEP]:
+            if deadline.expired():
+                return plan
             for move in options:
                 if move == policy[i] or not allowed(i, move):
                     continue
@@ -206,6 +217,8 @@ def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget
                     plan, energy = found
                     improved = True
         for i in [i for i, p in enumerate(policy) if p != KEEP]:
+            if deadline.expired():
+                return plan
             kept_policy = list(policy)
             kept_policy[i] = KEEP
             kept_plan = plan_from_policies(priced, kept_policy)

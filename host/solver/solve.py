@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
-from host.solver.baselines import BaselineDoesNotFitError, checkpoint_sqrt_n_plan, keep_all_plan, paging_plan
-from host.solver.milp import MilpResult, ProgressCallback, SolverProgress
+from host.solver.baseline_pricing import (
+    KEEP_ALL,
+    BaselineResult,
+    cheapest_feasible,
+    price_baselines,
+    timed_replay_s,
+)
+from host.solver.baselines import keep_all_plan
+from host.solver.deadline import Deadline, DeadlineExpired
+from host.solver.milp import ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
-from host.solver.policy_search import greedy_policy_plan
 from host.solver.stage_plan import StagePlan, drop_unread_pages, lower_plan, make_schedule
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
@@ -58,6 +65,8 @@ class SolveResult:
     plan: StagePlan | None = None
     interrupted: bool = False  # the user stopped the solve (Ctrl-C); the schedule is its incumbent
     retries: tuple[str, ...] = ()  # why an answer was not trusted and solved again, in order
+    baselines: list[BaselineResult] = field(default_factory=list)  # priced on the same profile (see solve_schedule)
+    bound_j: float | None = None  # the best proven lower bound on the energy (J), when the MILP ran
 
 
 def minimum_ram_bytes(priced: PricedGraph) -> int:
@@ -125,7 +134,14 @@ def _finish(
 
 
 def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: ProgressCallback | None = None) -> SolveResult:
-    """Solve the energy-optimal schedule; every returned schedule has passed the validator."""
+    """Solve the energy-optimal schedule; every returned schedule has passed the validator.
+
+    ``options.time_limit_s`` bounds the whole call (warm start, model building, MILP, polishing and
+    validation share one deadline): when it passes, the best validated schedule so far is returned
+    with its proven gap. With the warm start on (the default), the baselines a user would pick instead
+    are priced on the same profile (``SolveResult.baselines``), the cheapest that fits is the MILP's
+    start, and the answer never costs more than the best of them.
+    """
     check_budgets(priced, options.ram_budget_bytes, options.runtime_factor)
     started = time.perf_counter()
     runtime_budget_s = options.runtime_factor * priced.base_runtime_s
@@ -148,10 +164,12 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         schedule, report = _finish(
             priced, keep_all, options, runtime_budget_s, "optimal", "bound", "keep-all", 0.0, elapsed
         )
+        baseline = BaselineResult(KEEP_ALL, "feasible", report.energy_j, report.peak_ram_bytes, report.runtime_s,
+                                  plan=keep_all)
         return SolveResult(
             "optimal", schedule, report, report.energy_j, 0.0, elapsed,
             message="the RAM budget does not bind: plain training meets the compute-once lower bound",
-            plan=keep_all,
+            plan=keep_all, baselines=[baseline],
             **common,
         )
 
@@ -162,61 +180,133 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         remat=options.remat,
         paging_in_runtime=options.paging_in_runtime,
     )
-    candidates: list[tuple[float, StagePlan]] = []
-    # The paper's formulation is run as the paper ran it: no warm start, no bound shortcut.
-    if options.warm_start and options.formulation == "poet-edge":
-        _report_phase(progress, started, "warm start")
-        candidates = _candidate_plans(priced, options, runtime_budget_s)
-        # Every node is computed at least once, so compute-once energy bounds every schedule from
-        # below; a heuristic plan within the gap of that bound is proven optimal without the MILP.
-        if candidates and options.shortcut_non_binding:
-            energy_j, plan = candidates[0]
-            bound_j = _lower_bound_j(priced, None)
-            gap = _relative_gap(energy_j, bound_j)
-            if gap <= options.mip_gap:
-                elapsed = time.perf_counter() - started
-                schedule, report = _finish(priced, plan, options, runtime_budget_s, "optimal", "bound",
-                                           "greedy", gap, elapsed)
-                return SolveResult(
-                    "optimal", schedule, report, report.energy_j, gap, elapsed,
-                    message=(f"the greedy schedule is within {gap:.3%} of the compute-once lower bound "
-                             f"{bound_j:.6g} J: optimal within the gap {options.mip_gap:g}"),
-                    plan=plan, **common,
-                )
-    _report_phase(progress, started, "building model")
-    formulation = FORMULATIONS[options.formulation](priced, formulation_options)
-    start = None
-    for _energy_j, plan in candidates:
-        start = formulation.start_from_plan(plan)
-        if start is not None:
-            break
+    baselines: list[BaselineResult] = []
+    offers: list[BaselineResult] = []  # feasible baselines, cheapest first: starts and fallbacks
+    # Seconds to keep for turning the MILP's columns into a validated, polished schedule.
+    reserve_s = _POLISH_REPLAYS * timed_replay_s(priced) + _POLISH_FIXED_S
+    # The paper's formulation is run as the paper ran it: no warm start, no baselines, no bound shortcut.
+    use_baselines = options.warm_start and options.formulation == "poet-edge"
+    outcome: SolveResult | None = None
+    try:
+        if use_baselines:
+            _report_phase(progress, started, "warm start")
+            warm_deadline = Deadline(None if options.time_limit_s is None else
+                                     _WARM_START_SHARE * options.time_limit_s, started)
+            baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
+                                        paging=options.paging, paging_in_runtime=options.paging_in_runtime,
+                                        deadline=warm_deadline)
+            offers = cheapest_feasible(baselines)
+            # Every node is computed at least once, so compute-once energy bounds every schedule from
+            # below; a baseline within the gap of that bound is proven optimal without the MILP.
+            if offers and options.shortcut_non_binding:
+                best = offers[0]
+                bound_j = _lower_bound_j(priced, None)
+                gap = _relative_gap(best.energy_j, bound_j)
+                if gap <= options.mip_gap:
+                    return _baseline_answer(
+                        priced, best, options, runtime_budget_s, started, baselines, None, common, status="optimal",
+                        message=(f"the {best.name} schedule is within {gap:.3%} of the compute-once lower bound "
+                                 f"{bound_j:.6g} J: optimal within the gap {options.mip_gap:g}"))
+        # Model building and the MILP stop early enough to leave the reserve for the answer's validation.
+        work_deadline = Deadline(None if options.time_limit_s is None else options.time_limit_s - reserve_s, started)
+        work_deadline.check("pricing the baselines")
+        _report_phase(progress, started, "building model")
+        formulation = FORMULATIONS[options.formulation](priced, formulation_options, _building_deadline(work_deadline))
+        start = None
+        for offer in offers[:_STARTS_TRIED]:
+            work_deadline.check("mapping the warm start onto the model")
+            start = formulation.start_from_plan(offer.plan)
+            if start is not None:
+                break
+        outcome = _solve_milp(priced, formulation, options, runtime_budget_s, start, started, floor_bytes,
+                              work_deadline, progress)
+    except DeadlineExpired as expired:
+        if not offers:
+            return SolveResult("timeout", None, None, None, None, time.perf_counter() - started,
+                               message=f"{expired}: no schedule was found within the time limit of "
+                                       f"{options.time_limit_s:g} s; raise --time-limit",
+                               baselines=baselines, **common)
+        return _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
+                                message=f"{expired}: the best baseline is returned")
+    if offers and (outcome.schedule is None or offers[0].energy_j < outcome.objective_j):
+        # Never worse than the best baseline: a MILP stopped early, or whose model does not admit the baseline.
+        best = offers[0]
+        why = (f"the MILP found no schedule ({outcome.status}: {outcome.message})" if outcome.schedule is None else
+               f"the MILP's schedule ({outcome.objective_j:.9g} J, {outcome.status}) costs more")
+        answer = _baseline_answer(priced, best, options, runtime_budget_s, started, baselines, outcome, common,
+                                  message=f"{why}: the {best.name} schedule ({best.energy_j:.9g} J) is returned")
+        answer.retries, answer.interrupted = outcome.retries, outcome.interrupted
+        return answer
+    outcome.baselines = baselines
+    outcome.solve_s = time.perf_counter() - started
+    if outcome.schedule is not None:
+        outcome.schedule.solve.solve_s = outcome.solve_s
+    return outcome
+
+
+# The warm start (baselines and the greedy) gets at most this share of the time limit, so the MILP has time.
+_WARM_START_SHARE = 0.3
+# Feasible baselines tried as the MILP start, cheapest first (one the model does not admit maps to None).
+_STARTS_TRIED = 4
+# The reserve kept for after the MILP: this many replays of plain training (solution, polish, validation)
+# plus fixed seconds for reading the columns back.
+_POLISH_REPLAYS = 4
+_POLISH_FIXED_S = 0.2
+# A model abandoned at the deadline takes time to free (measured: 0.2 s after 3.6 s of building, 405 nodes):
+# building stops this share of its time before the deadline.
+_TEARDOWN_SHARE = 0.1
+
+
+def _building_deadline(deadline: Deadline) -> Deadline:
+    if deadline.at is None:
+        return deadline
+    now = time.perf_counter()
+    return Deadline(max(0.0, deadline.at - now) * (1 - _TEARDOWN_SHARE), now)
+
+
+# The MILP runs only with the time its uninterruptible part needs, and at least _RETRY_MIN_S more (so does a
+# retry). HiGHS 1.16 cannot be stopped while the model loads nor until its root node's analytic-centre
+# interior-point solve ends (200 iterations, no time limit): measured on MobileNetV2 at 410 nodes (2.7M
+# nonzeros) on a loaded 2-core machine, 1.3-2.9 s to load and 78 s to the first stop, whatever the limit.
+_UNINTERRUPTIBLE_S_PER_NONZERO = 3e-5
+_RETRY_MIN_S = 1.0
+
+
+def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: float, start, started: float,
+                floor_bytes: int, deadline: Deadline, progress) -> SolveResult:
+    """The MILP, retried without the start and then without presolve while its answers disagree with themselves.
+
+    ``deadline`` is the MILP's: the solve's own, less the reserve for validating and polishing the answer.
+    """
     sizes = dict(model_columns=formulation.problem.num_cols, model_rows=formulation.problem.num_rows)
     retries: list[str] = []
     # An answer is tried as given, then without the warm start, then without presolve: a backend
     # that reports one objective and returns other columns (HiGHS 1.16 can hand back the start
     # vector unchanged) is never trusted, and never called optimal.
     attempts = [(start, True)] + ([(None, True)] if start is not None else []) + [(None, False)]
-    for attempt_start, presolve in attempts:
-        time_left_s = None
-        if options.time_limit_s is not None:
-            time_left_s = max(1.0, options.time_limit_s - (time.perf_counter() - started))
+    # Loading the model and HiGHS's root node cannot be interrupted: start only with time for them.
+    nonzeros = formulation.problem.num_nonzeros
+    needed_s = _UNINTERRUPTIBLE_S_PER_NONZERO * nonzeros + _RETRY_MIN_S
+    for number, (attempt_start, presolve) in enumerate(attempts):
+        if deadline.remaining_s() < needed_s:
+            if number == 0:
+                raise DeadlineExpired("starting the MILP", (
+                    f"the MILP was not started: its {nonzeros:,} nonzeros need about {needed_s:.0f} s before the solver can "
+                    f"be stopped, {max(0.0, deadline.remaining_s()):.0f} s were left"))
+            retries.append("no time was left to solve again")
+            break
         _report_phase(progress, started, "solving")
         result = solve_milp(
             formulation.problem,
             options.solver,
-            time_limit_s=time_left_s,
+            time_limit_s=None if deadline.at is None else max(0.1, deadline.remaining_s()),
             mip_gap=options.mip_gap,
             threads=options.threads,
             start=attempt_start,
             progress=progress,
             presolve=presolve,
+            deadline_at=deadline.at,
         )
-        if result.x is None and result.status == "timeout" and start is not None:
-            # Stopped (time limit, Ctrl-C) before the backend kept a solution: the warm start is one.
-            # (its gap is proven against the bound in _checked_outcome)
-            result = MilpResult("feasible", start, formulation.problem.objective(start), result.bound, None,
-                                result.solve_s,
-                                result.message + "; the schedule is the warm start", interrupted=result.interrupted)
         outcome = _checked_outcome(priced, formulation, options, runtime_budget_s, result, started, floor_bytes,
                                    sizes)
         distrust = outcome.message if outcome.status == "untrusted" else None
@@ -231,10 +321,23 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             outcome.schedule.solve.status = outcome.status
             outcome.schedule.solve.gap = 0.0
     outcome.retries = tuple(retries)
-    outcome.solve_s = time.perf_counter() - started
-    if outcome.schedule is not None:
-        outcome.schedule.solve.solve_s = outcome.solve_s
     return outcome
+
+
+def _baseline_answer(priced: PricedGraph, baseline: BaselineResult, options: SolveOptions, runtime_budget_s: float,
+                     started: float, baselines: list[BaselineResult], milp: SolveResult | None, common: dict, *,
+                     message: str, status: str | None = None) -> SolveResult:
+    """A feasible baseline as the answer, validated like any other, with the gap proven against the best bound."""
+    bound_j = _lower_bound_j(priced, milp.bound_j if milp is not None else None)
+    gap = _relative_gap(baseline.energy_j, bound_j)
+    if status is None:
+        status = "optimal" if gap <= options.mip_gap else "feasible"
+    elapsed = time.perf_counter() - started
+    schedule, report = _finish(priced, baseline.plan, options, runtime_budget_s, status, "baseline", baseline.name,
+                               gap, elapsed)
+    sizes = {} if milp is None else dict(model_columns=milp.model_columns, model_rows=milp.model_rows)
+    return SolveResult(status, schedule, report, report.energy_j, gap, elapsed, message=message, plan=baseline.plan,
+                       baselines=baselines, **common, **sizes)
 
 
 # Relative tolerance between the solver's objective, its columns' objective and the validated energy.
@@ -263,7 +366,7 @@ def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_
     """Turn a backend's answer into a SolveResult; status "untrusted" when its numbers disagree."""
     elapsed = time.perf_counter() - started
     common = dict(runtime_budget_s=runtime_budget_s, minimum_ram_bytes=floor_bytes, interrupted=result.interrupted,
-                  **sizes)
+                  bound_j=result.bound, **sizes)
     if result.x is None:
         status, message = result.status, result.message
         if status in ("optimal", "feasible"):  # a solver that claims an answer but gives no columns
@@ -332,28 +435,3 @@ def _ablation(options: SolveOptions) -> str:
     if not options.remat:
         return "paging only"
     return "recomputation and paging"
-
-
-def _candidate_plans(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float) -> list[tuple[float, StagePlan]]:
-    """Heuristic plans that meet both budgets, cheapest first, with their validated energy."""
-    plans: list[StagePlan] = []
-    greedy = greedy_policy_plan(priced, options.ram_budget_bytes, runtime_budget_s, paging=options.paging,
-                                remat=options.remat, paging_in_runtime=options.paging_in_runtime)
-    if greedy is not None:
-        plans.append(greedy)
-    if options.paging:
-        try:
-            plans.append(paging_plan(priced.graph, options.ram_budget_bytes))
-        except BaselineDoesNotFitError:
-            pass
-    if options.remat:
-        plans.append(checkpoint_sqrt_n_plan(priced.graph))
-    candidates = []
-    for plan in plans:
-        try:
-            report = evaluate_plan(plan, priced, ram_budget_bytes=options.ram_budget_bytes,
-                                   runtime_budget_s=runtime_budget_s, paging_in_runtime=options.paging_in_runtime)
-        except ScheduleValidationError:
-            continue
-        candidates.append((report.energy_j, plan))
-    return sorted(candidates, key=lambda candidate: candidate[0])

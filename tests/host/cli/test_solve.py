@@ -11,8 +11,9 @@ from tests.host.cli.helpers import one_json_object, poet, run_main
 JSON_FIELDS = {
     "status", "objective_j", "compute_j", "paging_j", "runtime_s", "runtime_budget_s", "peak_ram_bytes",
     "ram_budget_bytes", "fixed_bytes", "recomputes", "page_ins", "page_outs", "solve_s", "gap", "nodes", "edges",
-    "interrupted", "formulation", "schedule_file", "plots",
+    "interrupted", "formulation", "schedule_file", "plots", "baselines",
 }
+BASELINE_FIELDS = {"name", "status", "predicted_energy_j", "peak_ram_bytes"}
 
 
 def test_readme_example_is_answered_at_once_and_proven_optimal(capfd):
@@ -39,6 +40,22 @@ def test_binding_solve_writes_a_valid_schedule_and_plots(capfd, tmp_path):
     assert schedule.graph_name and schedule.instructions
     assert schedule.prediction.peak_ram_bytes <= schedule.ram_budget_bytes
     assert len(list((tmp_path / "plots").glob("*.png"))) == 2
+
+
+def test_json_lists_the_baselines_beside_poets_answer(capfd):
+    code, out, err = run_main(capfd, "solve", "--model", "mlp", "--platform", "m4", "--ram-budget", "80%", "--json")
+    assert code == EXIT_OK, err
+    result = one_json_object(out)
+    baselines = result["baselines"]
+    names = {b["name"] for b in baselines}
+    assert {"keep all (plain PyTorch)", "page what does not fit", "greedy"} <= names
+    assert any(name.startswith("checkpoint_sequential(") for name in names)
+    for baseline in baselines:
+        assert BASELINE_FIELDS <= baseline.keys() and baseline["status"] in ("feasible", "infeasible")
+    fitting = [b["predicted_energy_j"] for b in baselines if b["status"] == "feasible"]
+    assert fitting and result["objective_j"] <= min(fitting)
+    plain = next(b for b in baselines if b["name"] == "keep all (plain PyTorch)")
+    assert plain["status"] == "infeasible" and plain["peak_ram_bytes"] > result["ram_budget_bytes"]
 
 
 def test_formulation_flag_reaches_the_solver(capfd):
@@ -112,7 +129,9 @@ def test_help_states_the_default_time_limit():
 
     result = poet("solve", "--help")
     assert result.returncode == 0
-    assert f"(default {DEFAULT_TIME_LIMIT_S:g} s)" in " ".join(result.stdout.split())
+    text = " ".join(result.stdout.split())
+    assert f"(default {DEFAULT_TIME_LIMIT_S:g} s)" in text
+    assert "wall-clock limit of the whole solve" in text and "tracing the model is not counted" in text
 
 
 def test_pareto_json_object_and_plot(capfd, tmp_path):

@@ -113,6 +113,8 @@ def test_random_dags_validate_and_respect_bounds(seed, size, share):
         return
     report = validate_schedule(low.schedule, priced)  # every emitted schedule replays cleanly
     assert report.peak_ram_bytes <= budget
+    fitting = [b.energy_j for b in low.baselines if b.feasible]
+    assert low.objective_j <= min(fitting, default=float("inf"))  # never above a baseline that fits
     assert low.objective_j >= priced.base_compute_j * (1 - TOL)  # never below compute-once
     high = _solve(priced, budget + 0.25 * peak)
     assert high.objective_j <= low.objective_j * (1 + TOL)  # more RAM never costs more energy

@@ -1,0 +1,159 @@
+"""The baselines a user would pick instead of POET, priced by the validator's replay on the same profile.
+
+`poet solve` lists them beside its answer, offers the cheapest that fits as the MILP's start, and never
+answers with a schedule that costs more than the best of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from host.costs.priced_graph import PricedGraph
+from host.solver.baselines import (
+    BaselineDoesNotFitError,
+    block_boundaries,
+    block_checkpoint_plan,
+    checkpoint_sequential_plan,
+    checkpoint_sqrt_n_plan,
+    forward_order,
+    keep_all_plan,
+    paging_plan,
+)
+from host.solver.deadline import Deadline
+from host.solver.policy_search import greedy_policy_plan
+from host.solver.stage_plan import StagePlan, lower_plan, make_schedule
+from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
+
+KEEP_ALL = "keep all (plain PyTorch)"
+GREEDY = "greedy"
+
+
+@dataclass
+class BaselineResult:
+    """One baseline on the solve's graph and profile. ``status``: feasible | infeasible (``message`` says why)."""
+
+    name: str
+    status: str
+    energy_j: float | None
+    peak_ram_bytes: int | None
+    runtime_s: float | None
+    message: str = ""
+    plan: StagePlan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def feasible(self) -> bool:
+        return self.status == "feasible"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "status": self.status, "predicted_energy_j": self.energy_j,
+                "peak_ram_bytes": self.peak_ram_bytes, "runtime_s": self.runtime_s, "message": self.message}
+
+
+def replay_plan(plan: StagePlan, priced: PricedGraph, paging_in_runtime: bool = False) -> ValidationReport:
+    """The validator's replay of the lowered plan, without budgets (they are compared by the caller)."""
+    schedule = make_schedule(priced.graph, lower_plan(plan, priced.graph))
+    return validate_schedule(schedule, priced, paging_in_runtime=paging_in_runtime)
+
+
+def price_plan(name: str, plan: StagePlan, priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float,
+               paging_in_runtime: bool = False) -> BaselineResult:
+    """Replay ``plan``; feasible when its peak and runtime are within the budgets (no tolerance)."""
+    try:
+        report = replay_plan(plan, priced, paging_in_runtime)
+    except ScheduleValidationError as error:  # never expected of a baseline: reported, never offered
+        return BaselineResult(name, "infeasible", None, None, None, f"the validator refused it: {error}")
+    problems = []
+    if report.peak_ram_bytes > ram_budget_bytes:
+        problems.append(f"peak {report.peak_ram_bytes} bytes is over the RAM budget of {ram_budget_bytes:.0f}")
+    if report.runtime_s > runtime_budget_s:
+        problems.append(f"runtime {report.runtime_s:.6g} s is over the budget of {runtime_budget_s:.6g} s")
+    return BaselineResult(name, "infeasible" if problems else "feasible", report.energy_j, report.peak_ram_bytes,
+                          report.runtime_s, "; ".join(problems), plan)
+
+
+def segment_counts(forward_count: int) -> tuple[list[int], list[int]]:
+    """Every number of segments checkpoint_sequential takes, 2..n (1 is plain training), in two lists: the
+    usual ones (powers of two and the neighbourhood of √n, Chen et al.'s choice) and the rest."""
+    everything = range(2, forward_count + 1)
+    root = round(forward_count**0.5)
+    usual = [k for k in everything if k & (k - 1) == 0 or abs(k - root) <= 2]
+    return usual, [k for k in everything if k not in usual]
+
+
+_GREEDY_TURN = object()  # where the greedy runs among the baselines
+
+
+def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bool) -> Iterator[tuple[str, object]]:
+    """(name, plan or BaselineDoesNotFitError) for every baseline the ablations allow, in the order priced:
+    the common choices, then the greedy, then checkpoint_sequential's less usual segment counts."""
+    graph = priced.graph
+    yield KEEP_ALL, keep_all_plan(graph)
+    if paging:
+        try:
+            yield "page what does not fit", paging_plan(graph, ram_budget_bytes)
+        except BaselineDoesNotFitError as error:
+            yield "page what does not fit", error
+    if not remat:
+        yield GREEDY, _GREEDY_TURN
+        return
+    if len(block_boundaries(graph)) > 1:
+        yield "checkpoint every block", block_checkpoint_plan(graph)
+    yield "checkpoint √n (Chen)", checkpoint_sqrt_n_plan(graph)
+    usual, rest = segment_counts(len(forward_order(graph)))
+    for segments in usual:
+        yield f"checkpoint_sequential({segments})", checkpoint_sequential_plan(graph, segments)
+    yield GREEDY, _GREEDY_TURN
+    for segments in rest:
+        yield f"checkpoint_sequential({segments})", checkpoint_sequential_plan(graph, segments)
+
+
+def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
+                    paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
+                    deadline: Deadline | None = None) -> list[BaselineResult]:
+    """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
+
+    Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
+    """
+    deadline = deadline or Deadline.none()
+    results: list[BaselineResult] = []
+    seen: set[bytes] = set()
+    for name, plan in _plans(priced, ram_budget_bytes, remat, paging):
+        if deadline.expired():
+            break
+        if plan is _GREEDY_TURN:
+            if greedy:
+                results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime,
+                                   deadline)
+            continue
+        if isinstance(plan, BaselineDoesNotFitError):
+            results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))
+            continue
+        key = plan.recompute.tobytes() + plan.keep_ram.tobytes() + plan.page_out.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        results.append(price_plan(name, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime))
+    return results
+
+
+def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline) -> list:
+    plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
+                              paging_in_runtime=paging_in_runtime, deadline=deadline)
+    if plan is not None:
+        return [price_plan(GREEDY, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
+    if deadline.expired():
+        return []
+    return [BaselineResult(GREEDY, "infeasible", None, None, None, "the greedy found no plan within the budgets")]
+
+
+def cheapest_feasible(results: list[BaselineResult]) -> list[BaselineResult]:
+    return sorted((r for r in results if r.feasible), key=lambda r: r.energy_j)
+
+
+def timed_replay_s(priced: PricedGraph) -> float:
+    """Seconds one lowering and replay of plain training takes: the unit of the solve's reserve for polishing."""
+    started = time.perf_counter()
+    replay_plan(keep_all_plan(priced.graph), priced)
+    return time.perf_counter() - started

@@ -1,0 +1,39 @@
+"""One wall-clock deadline for a whole solve: every phase (warm start, model building, MILP, polishing,
+validation) asks it how much time is left, so the time limit is a promise, not a hint to the MILP alone."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class DeadlineExpired(Exception):
+    """The solve's time limit passed during ``phase``; the caller falls back to its best validated schedule."""
+
+    def __init__(self, phase: str, message: str | None = None):
+        super().__init__(message or f"the time limit passed while {phase}")
+        self.phase = phase
+
+
+class Deadline:
+    """``limit_s`` seconds of wall-clock time from ``started`` (time.perf_counter()); None: no limit."""
+
+    def __init__(self, limit_s: float | None, started: float | None = None):
+        self.started = time.perf_counter() if started is None else started
+        self.limit_s = limit_s
+        self.at = None if limit_s is None else self.started + limit_s
+
+    @classmethod
+    def none(cls) -> Deadline:
+        return cls(None)
+
+    def remaining_s(self) -> float:
+        return math.inf if self.at is None else self.at - time.perf_counter()
+
+    def expired(self) -> bool:
+        return self.at is not None and time.perf_counter() >= self.at
+
+    def check(self, phase: str) -> None:
+        """Raise DeadlineExpired when the time is up."""
+        if self.expired():
+            raise DeadlineExpired(phase)
