@@ -176,7 +176,7 @@ def test_refusals_operator_cert_as_agent_foreign_ca_removed_node_and_plaintext(f
         channel.close()
     # A removed node: its run fails and the agent exits 3.
     board = fleet.agent("b2", "2/2")
-    run = fleet.submit("b2", steps=400)[0]
+    run = fleet.submit("b2", steps=LONG_STEPS)[0]  # still running when the remove lands (the CLI starts in ~3 s)
     fleet.wait_steps(run["run_id"], 5)
     removed = fleet.poet("fleet", "remove", "b2")
     assert removed.returncode == 0, removed.stderr
