@@ -84,11 +84,11 @@ class Planner:
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
 
     def package(self, model: str, batch_size: int | None, seed: int):
-        """A zoo model traced here (memoized). Anything else would be the operator's code: refused, never imported."""
+        """A zoo model traced here (memoized). A module:callable would be the operator's code: refused, never imported
+        (any other name is looked up in the zoo only, and an unknown one is refused listing the zoo's names)."""
         from host.graph.resolve import POET2022_PREFIX
-        from host.graph.zoo import ZOO
 
-        if model not in ZOO and not model.startswith(POET2022_PREFIX):
+        if ":" in model and not model.startswith(POET2022_PREFIX):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"model {model[:200]!r} is not a zoo model (see `poet models`); the coordinator never "
                           "imports an operator's code: `poet run --model module:callable` traces it on your side and "

@@ -247,3 +247,13 @@ def test_an_upload_that_stalls_is_cancelled_and_resumes_from_what_arrived(cert_d
     state = stat(cert_dir, port, digest)
     assert not state.stored and state.received_bytes == 4096
     assert upload(cert_dir, port, messages[1:]).stored
+
+
+def test_an_unknown_model_name_is_refused_naming_the_zoo(cert_dir, coordinator):
+    register(cert_dir, coordinator.port, "pi-1")
+    request = fleet_pb2.SubmitRunRequest(model="mlpp", dataset="digits", steps=2, agents=["pi-1"],
+                                         kind=fleet_pb2.JOB_KIND_TRAIN, optimizer=fleet_pb2.OPTIMIZER_SGD,
+                                         ram_budget=fleet_pb2.RamBudget(fraction_of_peak=1.0))
+    error = refused(lambda: admin(cert_dir, coordinator.port).SubmitRun(request, timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown model 'mlpp'" in error.details() and "resnet18_cifar" in error.details()
