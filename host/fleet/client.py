@@ -154,7 +154,8 @@ class OperatorClient:
 
     def submit(self, request, log: Callable[[str], None] = lambda _m: None):
         """SubmitRun; a ``module:callable`` model is traced here and uploaded first. The reply's runs."""
-        if request.model and is_traced_locally(request.model) and not request.HasField("uploaded_model"):
+        if (request.model and is_traced_locally(request.model) and not request.HasField("uploaded_model")
+                and request.kind != self.pb.JOB_KIND_PROFILE):  # a PROFILE job runs no model
             from host.fleet.model_package import package_model
             from host.run.errors import user_errors
 

@@ -257,3 +257,16 @@ def test_an_unknown_model_name_is_refused_naming_the_zoo(cert_dir, coordinator):
     error = refused(lambda: admin(cert_dir, coordinator.port).SubmitRun(request, timeout=TIMEOUT_S))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown model 'mlpp'" in error.details() and "resnet18_cifar" in error.details()
+
+
+def test_a_profile_run_traces_no_model(cert_dir, coordinator, tmp_path, monkeypatch):
+    """`poet run --kind profile` measures the board: a --model given with it is not traced (nor uploaded)."""
+    from host.fleet.client import OperatorClient
+
+    marker = tmp_path / "ran.txt"
+    model = marker_module(tmp_path / "opmodels", marker)
+    monkeypatch.syspath_prepend(str(tmp_path / "opmodels"))
+    register(cert_dir, coordinator.port, "pi-1")
+    with OperatorClient(f"127.0.0.1:{coordinator.port}", cert_dir / "alice") as client:
+        runs = client.submit(fleet_pb2.SubmitRunRequest(model=model, agents=["pi-1"], kind=fleet_pb2.JOB_KIND_PROFILE))
+    assert [r.status for r in runs] == [fleet_pb2.RUN_STATUS_QUEUED] and not marker.exists()
