@@ -52,7 +52,17 @@ from device_agent.executor.page_store import (
 )
 from device_agent.executor.partition import Partition, unique_by_identity
 from device_agent.executor.plan import PlannedOp, plan_schedule
-from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, TensorView, storage_key
+from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, storage_key
+from device_agent.executor.results import Counters, StepResult, copy_counters
+from device_agent.executor.saved import (
+    GraphRecord,
+    Packer,
+    Saved,
+    SavedRecord,
+    accumulate_grad,
+    hollow,
+    place_saved,
+)
 from device_agent.executor.telemetry import EventStream, InstructionEvent, StepSummary
 from device_agent.meters.base import EnergyMeter
 from device_agent.meters.memory import RssSampler
@@ -61,85 +71,7 @@ from device_agent.replay import RELATIVE_SLACK
 from device_agent.schedule import Schedule
 
 
-# ----------------------------------------------------------------------------- saved tensors
-class _Saved:
-    """What autograd keeps for a saved tensor: the tensor itself (fixed bytes) or where to find it."""
-
-    __slots__ = ("node", "tensor", "view")
-
-    def __init__(self, node: int | None, view: TensorView | None, tensor: torch.Tensor | None):
-        self.node = node
-        self.view = view
-        self.tensor = tensor
-
-
-@dataclass
-class _GraphRecord:
-    """A fwd/loss node's autograd graph, held by gradient edges only (no activation data)."""
-
-    roots: dict[str, torch.autograd.graph.GradientEdge]  # output value -> edge a gradient enters through
-    root_meta: dict[str, tuple[torch.Size, torch.dtype]]
-    leaves: dict[str, torch.Tensor]  # grad input value -> hollow leaf whose gradient the bwd node produces
-    pinned_bytes: int = 0  # internals the graph holds itself (NodeProgram.pinned_internals)
-
-
-@dataclass
-class _SavedRecord:
-    """A fwd/loss node run through its forward function: the tensors its backward function reads."""
-
-    saved: list[_Saved]  # in the backward's order; each held here (fixed, pinned) or found in an entry
-    output_meta: list[tuple[torch.Size, torch.dtype]]  # of its outputs, for gradients nobody sends
-    input_meta: dict[str, tuple[torch.Size, torch.dtype]]  # of the inputs it sends gradients to
-    pinned_bytes: int = 0
-
-
-_ZERO_BY_DTYPE: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _hollow(tensor: torch.Tensor) -> torch.Tensor:
-    """Same shape and dtype over one shared element: what a leaf keeps once its data belongs to the store."""
-    zero = _ZERO_BY_DTYPE.get(tensor.dtype)
-    if zero is None:
-        zero = _ZERO_BY_DTYPE[tensor.dtype] = torch.zeros((), dtype=tensor.dtype)
-    return zero.expand(tensor.shape)
-
-
-# ----------------------------------------------------------------------------- results
-@dataclass
-class Counters:
-    computes: int = 0
-    recomputes: int = 0
-    page_ins: int = 0
-    page_outs: int = 0
-    frees_ram: int = 0
-    frees_flash: int = 0
-    program_runs: int = 0
-    backward_runs: int = 0
-    saved_tensor_reads: int = 0
-    bytes_paged_out: int = 0
-    bytes_paged_in: int = 0
-    computes_per_node: Counter = field(default_factory=Counter)
-
-    def plan_counts(self) -> dict[str, int]:
-        return {
-            "computes": self.computes,
-            "recomputes": self.recomputes,
-            "page_ins": self.page_ins,
-            "page_outs": self.page_outs,
-        }
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    duration_s: float
-    peak_tracked_bytes: int
-    counters: Counters
-    summary: StepSummary
-    lowered: bool = False  # ran as the straight-line program (lowering.py), not instruction by instruction
-
-
+# ----------------------------------------------------------------------------- one step's state
 @dataclass
 class _Step:
     """What the instructions of one training step share: made by ``train_step``, gone with it."""
@@ -214,7 +146,7 @@ class ScheduleExecutor:
         self._trim = malloc_trim() if return_freed_memory else None
         self.step_index = 0
         self.totals = Counters()
-        self._records: dict[int, _GraphRecord | _SavedRecord] = {}
+        self._records: dict[int, GraphRecord | SavedRecord] = {}
         # node_functions (the default): fwd/loss nodes run as forward and backward functions without autograd,
         # captured at their first compute (node_functions.py), and later steps as one straight-line program
         # (lowering.py). A node whose program AOTAutograd cannot split exactly, or whose functions would hold
@@ -329,7 +261,7 @@ class ScheduleExecutor:
             self._lowered = lower_step(
                 partition, self.ops, self._functions, state.notes,
                 LoweringRuntime(partition, self.pages, meter_read, self.rss.rss_bytes), self._plain_run,
-                _accumulate_grad, trim=self._trim, ram_budget_bytes=self.ram_budget_bytes,
+                accumulate_grad, trim=self._trim, ram_budget_bytes=self.ram_budget_bytes,
                 overlap=self.overlap_paging)
             self._lowered_counters = counters
             self._lowered_peak_pinned_bytes = self.peak_pinned_bytes
@@ -479,7 +411,7 @@ class ScheduleExecutor:
             paged_out = sum(moved for position, moved in runtime.moved.items() if ops[position].kind == "page_out")
             paged_in = sum(moved for position, moved in runtime.moved.items() if ops[position].kind == "page_in")
             if (paged_out, paged_in) != (counters.bytes_paged_out, counters.bytes_paged_in):
-                counters = _copy_counters(counters)
+                counters = copy_counters(counters)
                 counters.bytes_paged_out, counters.bytes_paged_in = paged_out, paged_in
         state.counters = counters
         if self.events.wants_instructions:
@@ -581,9 +513,9 @@ class ScheduleExecutor:
             if program.bwd_index is None:
                 with torch.no_grad():
                     outputs = program.run(*fed)
-                pending: list[_Saved] = []
+                pending: list[Saved] = []
             elif op.graph:
-                packer = _Packer(op.node, input_keys, state.fixed_keys)
+                packer = Packer(op.node, input_keys, state.fixed_keys)
                 unpack = partial(self._unpack, state)
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
                     outputs = program.run(*fed)
@@ -613,12 +545,12 @@ class ScheduleExecutor:
                 root_meta[name] = (output.shape, output.dtype)
             if name == partition.loss_value and not op.recompute:
                 state.loss = float(output.detach())
-        pinned_bytes = _place_saved(pending, program.pinned_internals, output_keys, builder)
+        pinned_bytes = place_saved(pending, program.pinned_internals, output_keys, builder)
         del outputs, pending
         if op.graph:
             for leaf in leaves.values():
-                leaf.data = _hollow(leaf)
-            self._records[op.node] = _GraphRecord(roots, root_meta, leaves, pinned_bytes)
+                leaf.data = hollow(leaf)
+            self._records[op.node] = GraphRecord(roots, root_meta, leaves, pinned_bytes)
             self._pin(pinned_bytes)
         return self.ram.put(builder.build())
 
@@ -630,7 +562,7 @@ class ScheduleExecutor:
         if record is None:
             raise ExecutorError(f"{node.name!r}: the autograd graph of {program.name!r} is not available")
         state.counters.backward_runs += 1
-        if isinstance(record, _SavedRecord):
+        if isinstance(record, SavedRecord):
             return self._backward_functions(op, state, program, record)
         roots: list[torch.autograd.graph.GradientEdge] = []
         grads: list[torch.Tensor] = []
@@ -683,7 +615,7 @@ class ScheduleExecutor:
             taken = Counter(k for g in results if g is not None and (k := storage_key(g)) is not None)
             for param, grad in zip(params, param_grads, strict=True):
                 if grad is not None:
-                    _accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
+                    accumulate_grad(param, grad, shared=self._is_shared(grad, taken))
         return self.ram.put(builder.build())
 
     # ------------------------------------------------------------------ forward and backward functions
@@ -773,14 +705,14 @@ class ScheduleExecutor:
             if name == partition.loss_value and not op.recompute:
                 state.loss = float(output)
         if op.graph and functions.backward is not None:
-            packer = _Packer(op.node, input_keys, state.fixed_keys)
+            packer = Packer(op.node, input_keys, state.fixed_keys)
             buffers_of = functions.saved_buffers
             saved = [packer.pack(functions.buffers[buffers_of[k]] if k in buffers_of else t)
                      for k, t in enumerate(results[count + len(functions.buffers):])]
-            pinned_bytes = _place_saved(packer.pending, program.pinned_internals, output_keys, builder)
+            pinned_bytes = place_saved(packer.pending, program.pinned_internals, output_keys, builder)
             input_meta = {name: (x.shape, x.dtype) for name, x in zip(program.input_values, fed, strict=True)
                           if name in grad_inputs}
-            record = self._records[op.node] = _SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
+            record = self._records[op.node] = SavedRecord(saved, [(o.shape, o.dtype) for o in outputs], input_meta,
                                                            pinned_bytes)
             self._pin(pinned_bytes)
             if state.notes is not None:
@@ -792,7 +724,7 @@ class ScheduleExecutor:
         del results, outputs, fed
         return self.ram.put(builder.build())
 
-    def _backward_functions(self, op: PlannedOp, state: _Step, program, record: _SavedRecord) -> int:
+    def _backward_functions(self, op: PlannedOp, state: _Step, program, record: SavedRecord) -> int:
         partition = self.partition
         functions = self._functions[program.index]
         grads: list[torch.Tensor] = []
@@ -844,13 +776,13 @@ class ScheduleExecutor:
                 shared = None
                 if grad is not None:
                     shared = self._is_shared(grad, taken)
-                    _accumulate_grad(param, grad, shared=shared)
+                    accumulate_grad(param, grad, shared=shared)
                 shared_flags.append(shared)
             if state.notes is not None:
                 state.notes.backward[state.position] = BackwardNote(tuple(shared_flags))
         return self.ram.put(builder.build())
 
-    def _read_saved(self, saved: _Saved, state: _Step, reader: str) -> torch.Tensor:
+    def _read_saved(self, saved: Saved, state: _Step, reader: str) -> torch.Tensor:
         if saved.node is None:
             return saved.tensor
         entry = self.ram.find(saved.node)
@@ -901,7 +833,7 @@ class ScheduleExecutor:
             raise PageStoreError("this schedule was not prepared for paging (no flash directory)")
         return self.pages
 
-    def _unpack(self, state: _Step, saved: _Saved) -> torch.Tensor:
+    def _unpack(self, state: _Step, saved: Saved) -> torch.Tensor:
         if saved.node is None:
             return saved.tensor
         entry = self.ram.find(saved.node)
@@ -939,30 +871,6 @@ class ScheduleExecutor:
         totals.computes_per_node.update(counters.computes_per_node)
 
 
-class _Packer:
-    """``saved_tensors_hooks`` pack for one program run: classify every saved tensor by where it lives."""
-
-    def __init__(self, node: int, input_keys: dict[StorageKey, tuple[int, int]], fixed_keys: set[StorageKey]):
-        self.node = node
-        self.input_keys = input_keys
-        self.fixed_keys = fixed_keys
-        self.pending: list[_Saved] = []
-
-    def pack(self, tensor: torch.Tensor) -> _Saved:
-        key = storage_key(tensor)
-        if key is None or key in self.fixed_keys:
-            return _Saved(None, None, tensor)
-        source = self.input_keys.get(key)
-        if source is not None:
-            producer, storage_index = source
-            view = TensorView(storage_index, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                              tensor.storage_offset())
-            return _Saved(producer, view, None)
-        saved = _Saved(self.node, None, tensor)  # created by this program: joins its entry when the run ends
-        self.pending.append(saved)
-        return saved
-
-
 def _replay_rng(op: PlannedOp, program, state: _Step) -> torch.Tensor | None:
     """A random program's first run records the RNG state; a recompute replays it. Returns the state to put
     back after a recompute (None otherwise)."""
@@ -976,51 +884,12 @@ def _replay_rng(op: PlannedOp, program, state: _Step) -> torch.Tensor | None:
     return restore
 
 
-def _place_saved(pending: list[_Saved], pinned_internals: bool, output_keys: set[StorageKey],
-                 builder: EntryBuilder) -> int:
-    """Saved tensors a run created: internals stay with the record when the node pins them (fixed bytes,
-    returned), the rest (saved outputs included) join the node's entry."""
-    pinned_bytes = 0
-    if pending and pinned_internals:
-        pinned_keys: set[StorageKey] = set()
-        for saved in pending:
-            key = storage_key(saved.tensor)
-            if key is not None and key not in output_keys:
-                saved.node = None
-                if key not in pinned_keys:
-                    pinned_keys.add(key)
-                    pinned_bytes += key[1]
-        pending = [saved for saved in pending if saved.node is not None]
-    for saved in pending:  # tensors the backward reads: they belong to this node's entry
-        saved.view = builder.add(saved.tensor)
-        saved.tensor = None
-    return pinned_bytes
-
-
-def _accumulate_grad(param: torch.nn.Parameter, grad: torch.Tensor, *, shared: bool) -> None:
-    """What autograd's AccumulateGrad does: take the first gradient (a copy when shared), add the next in place."""
-    if param.grad is None:
-        if shared or grad.stride() != param.stride():
-            grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype).copy_(grad)
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
 def _metered(meter, before, after, transfer_s: float) -> tuple[float | None, str, float]:
     """Energy, its source and CPU time between two meter readings around one instruction."""
     if meter is not None:
         energy_j, cpu_s = meter.energy_j(before, after, transfer_s)
         return energy_j, meter.source, cpu_s
     return None, "", max(after.cpu_s - before.cpu_s, 0.0)
-
-
-def _copy_counters(counters: Counters) -> Counters:
-    copied = Counters(**{name: getattr(counters, name) for name in (
-        "computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
-        "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in")})
-    copied.computes_per_node = counters.computes_per_node.copy()
-    return copied
 
 
 def _shape_key(inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> tuple:
