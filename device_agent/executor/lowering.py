@@ -74,7 +74,7 @@ class LoweringRuntime:
     deleted before the schedule's page-out, so flash never holds more than the schedule's peak); the RAM it
     reads is held until the transfer ends, which the node's RAM free waits for. A page-in starts as early as
     the RAM accounting allows: its buffers are charged from the instruction that starts it, and that never
-    takes tracked RAM above the budget (or above the step's peak without one). One thread runs every
+    takes tracked RAM above the step's peak as interpreted (nor above the budget). One thread runs every
     transfer and delete in program order, so the page store sees them one at a time, as when interpreted.
     Each transfer's own time and meter readings are taken in that thread: telemetry reports what the flash
     did, not how long the program waited.
@@ -255,8 +255,9 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
             body(f"e = _rt.finish_page_in({op.node})")
             for name, local in zip(names, outputs, strict=True):
                 body(f"{local} = e.tensor({name!r})")
-            note = _last_forward_note(notes, ops, position, op.node)
-            for k in own_in_entry.get(op.node, ()):
+            own = own_in_entry.get(op.node, ())
+            note = _last_forward_note(notes, ops, position, op.node) if own else None
+            for k in own:
                 body(f"s{op.node}_{k} = e.view_tensor({src.const(note.saved[k][1], 'view')})")
             body("del e")
         elif op.location == "ram":
@@ -289,11 +290,13 @@ def _transfer_starts(ops: list[PlannedOp], in_use: list[int], ram_budget_bytes: 
                      ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """Where transfers start when they overlap compute: page-outs after the instruction that completed their
     entry (never before a page file is deleted: flash holds at most the schedule's peak), page-ins before the
-    earliest instruction from which their buffers fit under the budget (the step's peak without one) until
+    earliest instruction from which their buffers fit under the step's tracked peak (and the budget) until
     they are needed. ``in_use`` (tracked RAM after each instruction) is raised by each prefetch's bytes."""
     writes_after: dict[int, list[int]] = {}
     reads_before: dict[int, list[int]] = {}
-    limit = ram_budget_bytes or max(in_use, default=0)
+    # never above the step's peak as interpreted (which the schedule's prediction bounds), nor the budget
+    peak = max(in_use, default=0)
+    limit = min(ram_budget_bytes, peak) if ram_budget_bytes else peak
     last_made: dict[int, int] = {}  # node -> last instruction that (re)created its entry
     last_ram_free: dict[int, int] = {}
     last_flash_free = -1
