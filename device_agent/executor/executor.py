@@ -53,7 +53,7 @@ from device_agent.executor.page_store import (
 from device_agent.executor.partition import Partition, unique_by_identity
 from device_agent.executor.plan import PlannedOp, plan_schedule
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, storage_key
-from device_agent.executor.results import Counters, StepResult, copy_counters
+from device_agent.executor.results import COUNTER_FIELDS, Counters, StepResult, copy_counters
 from device_agent.executor.saved import (
     GraphRecord,
     Packer,
@@ -865,8 +865,7 @@ class ScheduleExecutor:
 
     def _accumulate_totals(self, counters: Counters) -> None:
         totals = self.totals
-        for name in ("computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
-                     "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in"):
+        for name in COUNTER_FIELDS:
             setattr(totals, name, getattr(totals, name) + getattr(counters, name))
         totals.computes_per_node.update(counters.computes_per_node)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from device_agent.executor.telemetry import StepSummary
 
-__all__ = ["Counters", "StepResult", "copy_counters"]
+__all__ = ["COUNTER_FIELDS", "Counters", "StepResult", "copy_counters"]
 
 
 @dataclass
@@ -45,9 +45,12 @@ class StepResult:
     lowered: bool = False  # ran as the straight-line program (lowering.py), not instruction by instruction
 
 
+# the counters that are plain numbers (all but computes_per_node)
+COUNTER_FIELDS = ("computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
+                  "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in")
+
+
 def copy_counters(counters: Counters) -> Counters:
-    copied = Counters(**{name: getattr(counters, name) for name in (
-        "computes", "recomputes", "page_ins", "page_outs", "frees_ram", "frees_flash", "program_runs",
-        "backward_runs", "saved_tensor_reads", "bytes_paged_out", "bytes_paged_in")})
+    copied = Counters(**{name: getattr(counters, name) for name in COUNTER_FIELDS})
     copied.computes_per_node = counters.computes_per_node.copy()
     return copied
