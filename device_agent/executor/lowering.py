@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from device_agent.executor.node_functions import NodeFunctions
+from device_agent.executor.overlap import transfer_starts
 from device_agent.executor.partition import Partition
 from device_agent.executor.plan import PlannedOp
 from device_agent.executor.ram_store import EntryBuilder, TensorView
@@ -211,7 +212,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
     writing: set[int] = set()  # nodes whose page-out is in flight
     in_use = list(notes.in_use_bytes)
-    writes_after, reads_before = _transfer_starts(ops, in_use, ram_budget_bytes) if overlap else ({}, {})
+    writes_after, reads_before = transfer_starts(ops, in_use, ram_budget_bytes) if overlap else ({}, {})
     ns["_plain"] = plain_run
     ns["_acc"] = accumulate_grad
     ns["_rt"] = runtime
@@ -284,44 +285,6 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     exec(code, ns)  # noqa: S102 - the program is generated here from the validated schedule
     return LoweredStep(source, ns["lowered_step"], runtime, notes, rss_position, peak,
                        tuple(position for position, op in enumerate(ops) if op.kind == "compute"), tuple(in_use))
-
-
-def _transfer_starts(ops: list[PlannedOp], in_use: list[int], ram_budget_bytes: float
-                     ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """Where transfers start when they overlap compute: page-outs after the instruction that completed their
-    entry (never before a page file is deleted: flash holds at most the schedule's peak), page-ins before the
-    earliest instruction from which their buffers fit under the step's tracked peak (and the budget) until
-    they are needed. ``in_use`` (tracked RAM after each instruction) is raised by each prefetch's bytes."""
-    writes_after: dict[int, list[int]] = {}
-    reads_before: dict[int, list[int]] = {}
-    # never above the step's peak as interpreted (which the schedule's prediction bounds), nor the budget
-    peak = max(in_use, default=0)
-    limit = min(ram_budget_bytes, peak) if ram_budget_bytes else peak
-    last_made: dict[int, int] = {}  # node -> last instruction that (re)created its entry
-    last_ram_free: dict[int, int] = {}
-    last_flash_free = -1
-    for position, op in enumerate(ops):
-        if op.kind == "page_out":
-            start = max(last_made[op.node], last_flash_free)
-            if start < position - 1:
-                writes_after.setdefault(start, []).append(position)
-        elif op.kind == "page_in":
-            delta = in_use[position] - (in_use[position - 1] if position else 0)
-            lowest = last_ram_free.get(op.node, -1) + 1
-            start = position
-            while start - 1 >= lowest and start - 2 >= 0 and in_use[start - 2] + delta <= limit:
-                start -= 1
-            if start < position:
-                reads_before.setdefault(start, []).append(position)
-                for i in range(start, position):
-                    in_use[i] += delta
-        if op.kind == "compute" or op.kind == "page_in":
-            last_made[op.node] = position
-        elif op.kind == "free" and op.location == "ram":
-            last_ram_free[op.node] = position
-        elif op.kind == "free":
-            last_flash_free = position
-    return writes_after, reads_before
 
 
 def _tuple(items: list[str]) -> str:

@@ -406,34 +406,49 @@ def _fit_powers(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: 
     )
 
 
-def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule) -> tuple[float, float]:
+def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule, overlap: bool = True) -> tuple[float, float]:
     """(seconds, joules) of one training step of ``graph`` under ``schedule``, priced on ``profile``.
 
     The solver's runtime covers computes and transfers (what a schedule changes); a step also runs the
-    optimizer and the executor's bookkeeping, which a calibrated profile prices too.
+    optimizer and the executor's bookkeeping, which a calibrated profile prices too. With ``overlap`` (the
+    executor's default) page transfers run behind compute as the lowered step runs them
+    (:func:`device_agent.executor.overlap.overlapped_step_s`): a step takes the longer of its computes and
+    the transfers they wait for, not their sum. Energy is the sum either way: hiding a transfer saves time,
+    not the work it does.
     """
+    from device_agent.executor.overlap import overlapped_step_s
+    from device_agent.replay import replay
     from host.costs.pricing import price_graph
 
     priced = price_graph(graph, profile)
-    seconds = joules = other_s = 0.0
+    joules = other_s = 0.0
+    seconds: list[float] = []
     for instruction in schedule.instructions:
         n = instruction.node
         if instruction.kind == "compute":
-            seconds += priced.compute_s[n]
+            seconds.append(float(priced.compute_s[n]))
             joules += priced.compute_j[n]
         elif instruction.kind == "page_in":
-            seconds += priced.page_in_s[n]
+            seconds.append(float(priced.page_in_s[n]))
             joules += priced.page_in_j[n]
         elif instruction.kind == "page_out":
-            seconds += priced.page_out_s[n]
+            seconds.append(float(priced.page_out_s[n]))
             joules += priced.page_out_j[n]
-        elif instruction.kind == "free":
-            other_s += profile.free_flash_s if instruction.location == "flash" else profile.free_ram_s
-    other_s += len(schedule.instructions) * profile.instruction_overhead_s + profile.step_overhead_s
+        else:
+            free_s = profile.free_flash_s if instruction.location == "flash" else profile.free_ram_s
+            seconds.append(float(free_s))
+            other_s += free_s
+    if overlap and any(instruction.kind == "page_in" for instruction in schedule.instructions):
+        in_use = replay(graph.nodes, schedule.instructions, graph_label=graph.name).ram_timeline_bytes
+        step_s = overlapped_step_s(schedule.instructions, seconds, in_use, schedule.ram_budget_bytes or 0.0)
+    else:  # nothing to hide behind compute
+        step_s = sum(seconds)
+    bookkeeping_s = len(schedule.instructions) * profile.instruction_overhead_s + profile.step_overhead_s
     if profile.optimizer_bytes_per_s:
-        other_s += graph.param_bytes / profile.optimizer_bytes_per_s
+        bookkeeping_s += graph.param_bytes / profile.optimizer_bytes_per_s
+    other_s += bookkeeping_s
     other_w = profile.idle_power_w if profile.idle_power_w is not None else profile.compute_power_w
-    return float(seconds + other_s), float(joules + other_s * other_w)
+    return float(step_s + bookkeeping_s), float(joules + other_s * other_w)
 
 
 def _median_measured(run: CalibrationRun, key: str, warmup_steps: int, metered: bool = False) -> float | None:

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from device_agent.executor.overlap import overlapped_step_s
+from device_agent.replay import replay
 from device_agent.schedule import Instruction
 from host.calibrate.fit import CalibrationError, CalibrationRun, energy_mape, fit_profile, predict_step, step_time_mape
 from host.costs import PlatformProfile, load_profile, price_graph
@@ -51,35 +53,51 @@ def _true_profile() -> PlatformProfile:
     )
 
 
+def _free_the_rest(graph, instructions: list) -> list:
+    """``instructions`` with every tensor still in RAM freed at the end, as a valid step ends."""
+    in_ram: set[int] = set()
+    for ins in instructions:
+        if ins.kind in ("compute", "page_in"):
+            in_ram.add(ins.node)
+        elif ins.kind == "free" and ins.location == "ram":
+            in_ram.discard(ins.node)
+    return instructions + [Instruction("free", i) for i in sorted(in_ram)]
+
+
 def _schedules(graph):
-    """keep-all; act1 freed after its use and recomputed for its backward; fc0 paged out and back in."""
+    """keep-all; act1 freed after its use and recomputed for its backward; act0 paged out and back in."""
     names = {node.name: node.index for node in graph.nodes}
     order = list(range(graph.size))
     keep_all = [Instruction("compute", i) for i in order]
-    act1, fc2, bwd_act1 = names["act1"], names["fc2"], names["bwd:act1"]
+    act1, fc2, bwd_fc2 = names["act1"], names["fc2"], names["bwd:fc2"]
     recompute = []
     for i in order:
-        if i == bwd_act1:
+        if i == bwd_fc2:  # its first reader in the backward
             recompute.append(Instruction("compute", act1))
         recompute.append(Instruction("compute", i))
         if i == fc2:
             recompute.append(Instruction("free", act1))
-    fc0, act0, bwd_act0 = names["fc0"], names["act0"], names["bwd:act0"]
+    fc1, act0, bwd_fc1 = names["fc1"], names["act0"], names["bwd:fc1"]
     paging = []
     for i in order:
-        if i == bwd_act0:
+        if i == bwd_fc1:
             paging.append(Instruction("page_in", act0))
         paging.append(Instruction("compute", i))
-        if i == fc0 + 2:  # fc1, after act0's last forward use
+        if i == fc1:  # after act0's last forward use
             paging += [Instruction("page_out", act0), Instruction("free", act0)]
     paging.append(Instruction("free", act0, "flash"))
-    return [make_schedule(graph, instructions) for instructions in (keep_all, recompute, paging)]
+    return [make_schedule(graph, _free_the_rest(graph, instructions)) for instructions in (keep_all, recompute, paging)]
 
 
 def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict | None = None) -> CalibrationRun:
     """What the executor would report if the board behaved exactly like ``truth`` (noise-free)."""
     priced = price_graph(graph, truth)
     instructions, summaries = [], []
+    seconds = [float({"compute": priced.compute_s, "page_in": priced.page_in_s,
+                      "page_out": priced.page_out_s}[ins.kind][ins.node]) if ins.kind != "free" else 0.0
+               for ins in schedule.instructions]
+    in_use = replay(graph.nodes, schedule.instructions, graph_label=graph.name).ram_timeline_bytes
+    overlapped_s = overlapped_step_s(schedule.instructions, seconds, in_use, 0.0)
     for step in range(1, steps + 1):
         total = compute = paging = 0.0
         for position, ins in enumerate(schedule.instructions):
@@ -96,6 +114,8 @@ def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict 
                                  "bytes_moved": graph.nodes[ins.node].output_bytes, "cpu_s": duration})
         optimizer_s = graph.param_bytes / truth.optimizer_bytes_per_s
         total += optimizer_s
+        if paging:  # transfers behind compute, as the lowered step runs them
+            total += overlapped_s - (compute + paging)
         record = {"step": step, "duration_s": total, "optimizer_s": optimizer_s,
                   "energy_source": "modelled:cpu-time×power"}
         if power is not None:
