@@ -94,15 +94,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="batch size of the calibration runs (default 8)")
     parser.add_argument("--threads", type=int, default=1,
                         help="the board's torch threads (default 1: the coordinator and this bench share the "
-                             "machine's cores with it)")
+                             "machine's cores with it; 0: torch's default)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin the board to a core of its own (by default, with 2+ cores and taskset, the "
                              "board runs on the last core and the coordinator and the commands on the others: a real "
                              "board does not share its CPU with the coordinator)")
+    parser.add_argument("--as-user", action="store_true",
+                        help="calibrate as a user does with the defaults: `poet calibrate --agent board --wait --json` "
+                             "(its default models, steps and batch size), the board not pinned and with torch's "
+                             "default threads, sharing the machine with the coordinator; overrides --models, "
+                             "--steps, --batch-size, --threads and pinning (the unseen model still runs)")
     parser.add_argument("--dir", help="working directory, kept afterwards (default: a temporary one, removed)")
     parser.add_argument("--plot", metavar="DIR", help="write predicted-vs-measured plots into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
+    if args.as_user:
+        from host.fleet.limits import CALIBRATION_STEPS
+
+        args.models, args.steps, args.batch_size, args.threads, args.pin = None, CALIBRATION_STEPS, None, 0, False
     if args.steps < 4:
         parser.error("--steps must be at least 4 (a warm-up step, fitted steps and held-out steps)")
 
@@ -165,7 +174,9 @@ def _cpu_split() -> tuple[list[int], list[int]]:
 def _measure(root: Path, args) -> tuple[dict, list[dict]]:
     """Start the fleet in ``root``, calibrate the board, run the unseen model; (calibration report, unseen rows)."""
     certs = root / "certs"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), POET_AGENT_MAX_BACKOFF_S="2")
+    env = dict(os.environ, POET_AGENT_MAX_BACKOFF_S="2")
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     poet, agent = console_script("poet"), console_script("poet-agent")
     board_cpus, host_cpus = _cpu_split() if args.pin else ([], [])
     board_prefix = ["taskset", "-c", ",".join(map(str, board_cpus))] if board_cpus else []
@@ -190,9 +201,9 @@ def _measure(root: Path, args) -> tuple[dict, list[dict]]:
         processes.append(board)
         board.wait_for("registered with")
         operator_env = dict(env, POET_COORDINATOR=address, POET_CERTS=str(certs / OPERATOR))
-        code, report = _poet_json([poet, "calibrate", "--agent", BOARD, "--models", args.models, "--steps",
-                                   str(args.steps), "--batch-size", str(args.batch_size), "--wait", "--json"],
-                                  operator_env)
+        chosen = [*(("--models", args.models) if args.models else ()), "--steps", str(args.steps),
+                  *(("--batch-size", str(args.batch_size)) if args.batch_size else ())]
+        code, report = _poet_json([poet, "calibrate", "--agent", BOARD, *chosen, "--wait", "--json"], operator_env)
         if code != 0:
             raise SystemExit(f"poet calibrate failed: {report}")
         log(f"calibrated: profile v{report['base_profile_version']} -> v{report['profile_version']}, held-out step "
