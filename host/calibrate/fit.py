@@ -416,33 +416,27 @@ def predict_step(profile: PlatformProfile, graph: TrainingGraph, schedule, overl
     the transfers they wait for, not their sum. Energy is the sum either way: hiding a transfer saves time,
     not the work it does.
     """
-    from device_agent.executor.overlap import overlapped_step_s
     from device_agent.replay import replay
     from host.costs.pricing import price_graph
 
     priced = price_graph(graph, profile)
-    joules = other_s = 0.0
-    seconds: list[float] = []
-    for instruction in schedule.instructions:
+    instructions = schedule.instructions
+    joules = 0.0
+    for instruction in instructions:
         n = instruction.node
         if instruction.kind == "compute":
-            seconds.append(float(priced.compute_s[n]))
             joules += priced.compute_j[n]
         elif instruction.kind == "page_in":
-            seconds.append(float(priced.page_in_s[n]))
             joules += priced.page_in_j[n]
         elif instruction.kind == "page_out":
-            seconds.append(float(priced.page_out_s[n]))
             joules += priced.page_out_j[n]
-        else:
-            free_s = profile.free_flash_s if instruction.location == "flash" else profile.free_ram_s
-            seconds.append(float(free_s))
-            other_s += free_s
-    if overlap and any(instruction.kind == "page_in" for instruction in schedule.instructions):
-        in_use = replay(graph.nodes, schedule.instructions, graph_label=graph.name).ram_timeline_bytes
-        step_s = overlapped_step_s(schedule.instructions, seconds, in_use, schedule.ram_budget_bytes or 0.0)
-    else:  # nothing to hide behind compute
-        step_s = sum(seconds)
+    frees = dict(free_ram_s=profile.free_ram_s, free_flash_s=profile.free_flash_s)
+    seconds = priced.instruction_seconds(instructions, **frees)
+    other_s = sum(s for i, s in zip(instructions, seconds, strict=True) if i.kind == "free")
+    step_s = float(sum(seconds))
+    if overlap and any(instruction.kind == "page_in" for instruction in instructions):
+        in_use = replay(graph.nodes, instructions, graph_label=graph.name).ram_timeline_bytes
+        step_s = priced.overlapped_runtime_s(instructions, in_use, schedule.ram_budget_bytes, **frees)
     bookkeeping_s = len(schedule.instructions) * profile.instruction_overhead_s + profile.step_overhead_s
     if profile.optimizer_bytes_per_s:
         bookkeeping_s += graph.param_bytes / profile.optimizer_bytes_per_s

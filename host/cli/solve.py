@@ -192,7 +192,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _state_the_time_limit(solve)
     add_ablation_args(solve)
     solve.add_argument("--paging-in-runtime", action="store_true",
-                       help="count paging time in the runtime budget (default: not counted, as in the paper)")
+                       help="count paging time in the runtime budget, transfers behind compute as the executor runs them: a step takes the longer of its computes and the transfers they wait for (default: not counted, as in the paper)")
     solve.add_argument("--mip-gap", type=mip_gap, default=1e-3, metavar="GAP",
                        help="relative gap that counts as optimal, in [0, 1] (default 0.001 = 0.1%%)")
     add_optimizer_arg(solve)

@@ -39,6 +39,23 @@ class PricedGraph:
         """Plain forward+backward runtime: every node computed once, no paging (the paper's budget base)."""
         return float(self.compute_s.sum())
 
+    def instruction_seconds(self, instructions, free_ram_s: float = 0.0, free_flash_s: float = 0.0) -> list[float]:
+        """Seconds of each instruction: a compute's or a transfer's priced time, a free's given time."""
+        table = {"compute": self.compute_s, "page_in": self.page_in_s, "page_out": self.page_out_s}
+        return [float(table[i.kind][i.node]) if i.kind in table else
+                (free_flash_s if i.location == "flash" else free_ram_s) for i in instructions]
+
+    def overlapped_runtime_s(self, instructions, ram_timeline_bytes, ram_budget_bytes: float | None,
+                             free_ram_s: float = 0.0, free_flash_s: float = 0.0) -> float:
+        """Seconds of a step of ``instructions`` when its page transfers run behind compute as the executor runs
+        them (:func:`device_agent.executor.overlap.overlapped_step_s`); never more than the instructions' sum."""
+        from device_agent.executor.overlap import overlapped_step_s
+
+        seconds = self.instruction_seconds(instructions, free_ram_s, free_flash_s)
+        if not any(i.kind == "page_in" for i in instructions):  # nothing to hide behind compute
+            return float(sum(seconds))
+        return overlapped_step_s(instructions, seconds, ram_timeline_bytes, ram_budget_bytes or 0.0)
+
     @property
     def base_compute_j(self) -> float:
         """Compute energy of computing every node once: a lower bound on any schedule's energy."""

@@ -245,7 +245,8 @@ class PoetFormulation:
                         freed_after_previous.append((free_col, float(out_bytes[i])))
                 previous = u
 
-        # (6) runtime budget (the paper counts compute only; optionally paging too)
+        # (6) runtime budget (the paper counts compute only; optionally paging too, in full: an upper bound of the
+        # step the validator replays, where transfers run behind compute; see PricedGraph.overlapped_runtime_s)
         if opts.runtime_budget_s is not None:
             terms = [(col, priced.compute_s[i]) for (t, i), col in v.recompute.items()]
             if page_time:

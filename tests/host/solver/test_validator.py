@@ -73,3 +73,31 @@ def test_paging_round_trip_is_priced():
     report = validate_schedule(_schedule(graph, ins + rest), priced)
     assert report.page_outs == 1 and report.page_ins == 1
     assert report.paging_j == pytest.approx(priced.page_in_j[0] + priced.page_out_j[0])
+
+
+def test_paging_in_the_runtime_counts_only_what_compute_does_not_hide():
+    """With --paging-in-runtime, transfers run behind compute as the executor runs them: a page-out written
+    while later nodes compute, and a page-in read ahead of its reader, cost the step nothing beyond compute."""
+    graph = chain_graph(length=6, flops_each=10_000_000)  # each compute 10 ms; each transfer 0.2 ms
+    priced = price_simply(graph)
+    names = {node.name: node.index for node in graph.nodes}
+    instructions = []
+    for ins in lower_plan(keep_all_plan(graph), graph):
+        if ins.kind == "compute" and ins.node == names["bwd:f1"]:
+            instructions.append(Instruction("page_in", 0))  # read back for its last reader
+        instructions.append(ins)
+        if ins.kind == "compute" and ins.node == names["f1"]:
+            instructions += [Instruction("page_out", 0), Instruction("free", 0, "ram")]
+    instructions.append(Instruction("free", 0, "flash"))
+    schedule = _schedule(graph, instructions)
+    serial = validate_schedule(schedule, priced)
+    assert serial.runtime_s == pytest.approx(serial.compute_s)  # the paper's runtime: compute only
+    overlapped = validate_schedule(schedule, priced, paging_in_runtime=True)
+    assert serial.paging_s > 0
+    assert overlapped.runtime_s == pytest.approx(serial.compute_s)  # both transfers hidden
+    # a budget the transfers' full sum would break, and the overlapped step meets
+    validate_schedule(schedule, priced, paging_in_runtime=True,
+                      runtime_budget_s=serial.compute_s + serial.paging_s / 2)
+    slow = price_simply(graph, page_j_per_byte=1e-3)  # each transfer 0.1 s: longer than the computes around it
+    waited = validate_schedule(schedule, slow, paging_in_runtime=True)
+    assert waited.compute_s < waited.runtime_s < waited.compute_s + waited.paging_s
