@@ -129,6 +129,10 @@ def _add_run(sub) -> None:
                      "cgroup's memory.max is reported")
     run.add_argument("--max-backoff-s", type=float, default=_default_max_backoff_s(), metavar="S",
                      help="longest pause between reconnection attempts (default: 20, or POET_AGENT_MAX_BACKOFF_S)")
+    run.add_argument("--threads", type=int, metavar="N",
+                     help="torch threads for training and the PROFILE job's measurements (default: the cores this "
+                     "agent may use minus one, at least 1, so the agent's own threads and whatever shares the board "
+                     "never stall training; torch's own choice where OMP_NUM_THREADS is set)")
 
 
 _TARGET = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>[0-9]{1,5})")
@@ -167,7 +171,7 @@ def _run_agent(args) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from device_agent.agent.client import EXIT_INTERRUPTED, EXIT_OK, Agent, AgentConfig
     from device_agent.agent.credentials import CertError, load_bundle
-    from device_agent.agent.facts import parse_bytes
+    from device_agent.agent.facts import default_training_threads, parse_bytes
 
     try:
         _check_target(args.coordinator)
@@ -175,12 +179,16 @@ def _run_agent(args) -> int:
         if not (args.max_backoff_s > 0) or args.max_backoff_s == float("inf"):
             raise ValueError(f"--max-backoff-s must be a positive number of seconds, not {args.max_backoff_s}")
         memory_limit = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
+        if args.threads is not None and not 1 <= args.threads <= 1024:
+            raise ValueError(f"--threads must be between 1 and 1024, not {args.threads}")
+        threads = args.threads if args.threads is not None else default_training_threads()
         config = AgentConfig(
             coordinator=args.coordinator, certs=Path(args.certs),
             flash_dir=_check_dir("--flash-dir", args.flash_dir, create=True),
             data_dir=_check_dir("--data-dir", args.data_dir, create=False),
             state_dir=_check_dir("--state-dir", args.state_dir, create=True),
-            platform=args.platform, memory_limit_bytes=memory_limit, max_backoff_s=args.max_backoff_s)
+            platform=args.platform, memory_limit_bytes=memory_limit, max_backoff_s=args.max_backoff_s,
+            training_threads=threads)
     except (ValueError, CertError) as exc:
         print(f"poet-agent run: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -120,6 +120,7 @@ class AgentConfig:
     max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
     pull_wait_s: float = PULL_WAIT_S
     max_events_per_run: int = DEFAULT_MAX_EVENTS  # telemetry held per run before training pauses
+    training_threads: int | None = None  # torch threads for jobs (PROFILE included); None: torch's own choice
 
 
 class _Refused(Exception):
@@ -196,6 +197,12 @@ class Agent:
         return Backoff(max_s=self.config.max_backoff_s)
 
     # ------------------------------------------------------------------------------------ main
+    @staticmethod
+    def _torch_threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
     def run(self) -> int:
         config = self.config
         try:
@@ -206,9 +213,14 @@ class Agent:
             self.log(f"cannot start: {exc}")
             return EXIT_USAGE
         self._facts = board
+        if config.training_threads is not None:  # every job, the PROFILE job's micro-benchmarks included
+            import torch
+
+            torch.set_num_threads(config.training_threads)
         self.log(f"starting (poet-edge {board.agent_version}, torch {board.torch_version}); coordinator "
                  f"{config.coordinator}; {board.memory_limit.describe()}; runtime RSS "
-                 f"{board_facts.format_bytes(board.runtime_rss_bytes)}; meters {', '.join(board.meters)}")
+                 f"{board_facts.format_bytes(board.runtime_rss_bytes)}; meters {', '.join(board.meters)}; "
+                 f"training on {self._torch_threads()} of {board.cpu_count} core(s)")
         self._channel = grpc.secure_channel(config.coordinator, credentials,
                                             options=channel_options(config.max_backoff_s))
         self._stub = fleet_pb2_grpc.FleetStub(self._channel)

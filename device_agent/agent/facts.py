@@ -216,6 +216,19 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def default_training_threads(environ=os.environ) -> int | None:
+    """Torch threads a board trains with when ``--threads`` is not given: ``None`` (torch's own choice) where
+    ``OMP_NUM_THREADS`` is set, else one fewer than the cores this process may use, at least 1.
+
+    One core stays for the agent's own threads (telemetry, gRPC, page transfers) and whatever else shares the
+    board: training with as many threads as cores stalls each time another process takes one of them (measured
+    on a 2-core machine shared with the coordinator: resnet18_cifar steps 4x slower and 2-5x noisier).
+    """
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cpu_count() - 1)
+
+
 def collect_facts(*, platform: str, flash_dir: str | os.PathLike, memory_limit_override: int | None = None,
                   measure_rss: bool = True) -> BoardFacts:
     """Everything RegisterRequest carries. ``measure_rss=False`` skips importing torch (the RSS is then 0)."""

@@ -307,6 +307,21 @@ def _wait(planner: Planner, calibration: Calibration | None, run_ids: Sequence[s
         time.sleep(POLL_S)
 
 
+def _presolve(planner: Planner, board, request) -> RunStatus | None:
+    """Solve (into the planner's schedule cache) what submitting ``request`` to ``board`` will run; the plan's
+    status, or None where the submission itself must say what is wrong."""
+    from host.run.errors import user_errors
+
+    if board is None:
+        return None
+    try:
+        graph = planner.model_package(request).graph
+        plan, _ = planner.plan_board(board, graph, request, "sgd", request.runtime_budget)
+    except (Refused, *user_errors()):
+        return None
+    return plan.status
+
+
 def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     """The calibration's steps (module docstring); returns the report `poet calibrate --json` prints."""
     from device_agent.agent.datasets import SYNTHETIC_DATASET
@@ -328,8 +343,10 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     base = PlatformProfile.from_dict(store.get_profile_version(agent, base_version).profile,
                                      file_label=f"profile v{base_version} of {agent}")
 
-    # 2. calibration runs, all solved on version k
-    planned: list[dict[str, Any]] = []
+    # 2. calibration runs, all solved on version k before the first is queued: the board never runs one while the
+    #    coordinator (which may share its machine) solves the next, so what it measures is the run alone
+    board_record = next((a for a in store.list_agents() if a.name == agent), None)
+    chosen: list[tuple[str, str, Any, str]] = []  # (model, label, request, budget note)
     for model in calibration.models:
         for label, fractions, runtime_factor, no_paging, no_remat in SCHEDULES:
             calibration.set_stage(f"solving {model} ({label}) on profile v{base_version}")
@@ -338,16 +355,18 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
                           runtime_budget=runtime_factor, profile_version=base_version, no_paging=no_paging,
                           no_remat=no_remat)
             for fraction in fractions:  # the heavy schedules: the smallest share the model can be trained in
-                run = planner.submit(_request(calibration, ram_budget=fleet_pb2.RamBudget(
-                    fraction_of_peak=fraction), **fields))[0]
-                budget_note = f"{fraction:.0%} of the no-remat peak"
-                if serde.RUN_STATUS_FROM_PB[run.status] == RunStatus.QUEUED:
+                request = _request(calibration, ram_budget=fleet_pb2.RamBudget(fraction_of_peak=fraction), **fields)
+                if _presolve(planner, board_record, request) == RunStatus.QUEUED:
                     break
-            status = serde.RUN_STATUS_FROM_PB[run.status]
-            with calibration.lock:
-                calibration.run_ids.append(run.run_id)
-            planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
-                            "status": status, "error": run.error or None})
+            chosen.append((model, label, request, f"{fraction:.0%} of the no-remat peak"))
+    planned: list[dict[str, Any]] = []
+    for model, label, request, budget_note in chosen:  # the schedules are cached: each submit answers at once
+        run = planner.submit(request)[0]
+        status = serde.RUN_STATUS_FROM_PB[run.status]
+        with calibration.lock:
+            calibration.run_ids.append(run.run_id)
+        planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
+                        "status": status, "error": run.error or None})
     queued = [p["run_id"] for p in planned if p["status"] == RunStatus.QUEUED]
     if not queued:
         raise CalibrationFailed("no calibration run could be scheduled: "

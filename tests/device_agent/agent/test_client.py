@@ -321,11 +321,14 @@ def test_removed_node_exits_with_code_3_and_sigterm_exits_0(cert_root, server, t
     assert "exiting with code 3" in refused.stderr
     assert refused.stderr.count("refused by the coordinator") == 1  # no retry loop
 
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the agent's own default threads
     proc = subprocess.Popen(_agent_cmd(cert_root, server.target, tmp_path / "a", "node-a", "--memory-limit", "1G"),
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = _wait_line(proc, "registered with")
         assert lines[-1].startswith(f"[agent node-a] registered with {server.target} (platform local, memory limit")
+        cores = len(os.sched_getaffinity(0))  # one core stays for the agent's own threads
+        assert f"training on {max(1, cores - 1)} of {cores} core(s)" in "".join(lines)
         proc.terminate()
         assert proc.wait(30) == 0
         assert "stopped" in proc.stderr.read()
@@ -353,6 +356,7 @@ def test_wrong_ca_is_logged_on_every_retry(tmp_path_factory, server, tmp_path):
     ({"--data-dir": "MISSING"}, "--data-dir"),
     ({"--memory-limit": "-1G"}, "negative"),
     ({"--max-backoff-s": "0"}, "--max-backoff-s must be a positive"),
+    ({"--threads": "0"}, "--threads must be between 1 and 1024"),
 ])
 def test_bad_input_exits_2_with_a_clear_error(cert_root, tmp_path, change, message):
     cmd = _agent_cmd(cert_root, "127.0.0.1:1", tmp_path)

@@ -152,3 +152,10 @@ def test_host_certs_uses_the_same_bundle_code():
 
     assert certs.load_bundle is load_bundle and certs.CertError is CertError
     assert certs.channel_credentials is channel_credentials
+
+
+def test_a_board_trains_on_all_but_one_core_unless_omp_num_threads_says_otherwise():
+    from device_agent.agent.facts import cpu_count, default_training_threads
+
+    assert default_training_threads({}) == max(1, cpu_count() - 1)
+    assert default_training_threads({"OMP_NUM_THREADS": "4"}) is None  # the operator's choice: torch reads it

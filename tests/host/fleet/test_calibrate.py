@@ -90,6 +90,11 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
     assert runs[1]["recomputes"] > 0 and runs[1]["page_outs"] == 0, dump(report)
     assert runs[2]["page_outs"] > 0 and runs[2]["recomputes"] == 0, dump(report)
     assert "b1: PROFILE job" in done.stderr and "b1: calibration runs" in done.stderr  # --wait: progress on stderr
+    # every schedule is solved before the first run is queued (the board never trains beside a solve), so each
+    # kind of schedule is submitted once, at the share it fits: mlp fits no paging-only schedule at 50% or 65%
+    listed = [(r["kind"], r["status"]) for r in fleet.poet_json("runs", "list")["runs"]]
+    assert listed == [("profile", "done")] + [("train", "done")] * 3, listed
+    assert runs[2]["budget"] == "80% of the no-remat peak", dump(report)
     print(dump(report))
 
     versions = fleet.poet_json("profiles", "list", "--agent", "b1")["profiles"]
