@@ -183,9 +183,9 @@ def _measure(root: Path, args) -> tuple[dict, list[dict]]:
     if host_cpus:
         os.sched_setaffinity(0, host_cpus)  # the coordinator and the commands inherit this process's cores
         log(f"board pinned to core(s) {board_cpus}; coordinator and commands on {host_cpus}")
-    run_command([poet, "certs", "init", "--dir", str(certs)], env)
-    run_command([poet, "certs", "issue", "--dir", str(certs), "--node", BOARD], env)
-    run_command([poet, "certs", "issue", "--dir", str(certs), "--operator", OPERATOR], env)
+    for action, *who in (["init"], ["issue", "--node", BOARD], ["issue", "--operator", OPERATOR]):
+        printed = run_command([poet, "certs", action, "--dir", str(certs), *who], env, capture=True)
+        log(printed.rstrip())  # on stderr: stdout carries only the --json object
     for sub in ("flash", "data", "state"):
         (root / BOARD / sub).mkdir(parents=True, exist_ok=True)
     processes: list[Process] = []
