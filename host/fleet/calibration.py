@@ -316,7 +316,8 @@ def _presolve(planner: Planner, board, request) -> RunStatus | None:
         return None
     try:
         graph = planner.model_package(request).graph
-        plan, _ = planner.plan_board(board, graph, request, "sgd", request.runtime_budget)
+        optimizer = serde.OPTIMIZER_FROM_PB[request.optimizer]  # as submit reads it, so the cache key is the same
+        plan, _ = planner.plan_board(board, graph, request, optimizer, request.runtime_budget)
     except (Refused, *user_errors()):
         return None
     return plan.status
