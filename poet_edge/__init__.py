@@ -20,23 +20,13 @@ Every figure carries its unit in its name: joules (``_j``), seconds (``_s``), by
 The `poet` command is a thin layer over these same functions.
 """
 
-from host.run import (
-    InputError,
-    ParetoReport,
-    RamBudget,
-    SolveFailedError,
-    SolveReport,
-    StepProgress,
-    TrainReport,
-    VerifyReport,
-    demo,
-    pareto,
-    solve,
-    train,
-    verify,
-)
+from host.run.errors import InputError, SolveFailedError
+from host.run.loops import StepProgress
+from host.run.solve import ParetoReport, SolveReport, pareto, solve
+from host.run.train import TrainReport, VerifyReport, demo, train, verify
+from host.run.values import RamBudget
+from host.solver.deadline import DEFAULT_TIME_LIMIT_S
 from host.solver.milp import SolverProgress
-from host.solver.solve import DEFAULT_TIME_LIMIT_S
 
 __all__ = [
     "DEFAULT_TIME_LIMIT_S",

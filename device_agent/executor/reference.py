@@ -1,11 +1,11 @@
 """The reference every scheduled run is compared with: the user's plain PyTorch step, the optimizers host and
-board both build (and the state each keeps, which the memory plan counts), and the parameters' comparison."""
+board both build (their names and state: device_agent.optimizers), and the parameters' comparison."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from device_agent.optimizers import OPTIMIZER_STATE, OPTIMIZERS, OptimizerState
 
 __all__ = ["OPTIMIZERS", "OPTIMIZER_STATE", "OptimizerState", "make_optimizer", "parameter_differences",
            "plain_train_step"]
@@ -37,32 +37,6 @@ def plain_train_step(
     if optimizer is not None and micro_batch == micro_batches - 1:
         optimizer.step()
     return float(loss.detach())
-
-
-OPTIMIZERS = ("sgd", "adamw")
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    """What one optimizer keeps per trainable parameter tensor once it has stepped (frozen ones get nothing).
-
-    ``buffers`` tensors shaped and typed like the parameter, plus ``scalar_bytes`` of per-parameter scalars.
-    """
-
-    buffers: int
-    scalar_bytes: int = 0
-
-    def state_bytes(self, trainable_bytes: int, trainable_tensors: int) -> int:
-        return self.buffers * trainable_bytes + self.scalar_bytes * trainable_tensors
-
-
-# The state of each optimizer `make_optimizer` builds, as torch allocates it on its first step; the memory plan
-# counts it in the fixed bytes (host.graph.training_graph.TrainingGraph.with_optimizer). tests/host/run/test_optimizer_state.py checks it against the real optimizers.
-OPTIMIZER_STATE: dict[str, OptimizerState] = {
-    "sgd": OptimizerState(buffers=1),  # momentum 0.9: one momentum_buffer per parameter (none without momentum)
-    # exp_avg and exp_avg_sq, and `step`, a float32 0-dim tensor per parameter (not fused, not capturable)
-    "adamw": OptimizerState(buffers=2, scalar_bytes=4),
-}
 
 
 def make_optimizer(name: str, parameters, lr: float | None = None) -> torch.optim.Optimizer:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from host.run import values
-from host.solver.solve import DEFAULT_TIME_LIMIT_S
+from host.solver.deadline import DEFAULT_TIME_LIMIT_S
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1  # a solver answer that failed validation (a bug: please report it)

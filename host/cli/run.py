@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from device_agent.executor.reference import OPTIMIZERS
+from device_agent.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 from host.cli.common import (
     EXIT_OK,
     CliError,
@@ -170,7 +170,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--kind", default="train", choices=["train", "verify", "profile"],
                      help="train; verify (train plus a plain run, comparing parameters); profile (measure the board, "
                           "stored as its profile) (default: train)")
-    run.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS), help="(default: sgd)")
+    run.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=list(OPTIMIZERS), help=f"(default: {DEFAULT_OPTIMIZER})")
     run.add_argument("--lr", type=learning_rate, metavar="X", help="learning rate (default 0.01)")
     run.add_argument("--collect", default="none", choices=["none", "weights", "delta"],
                      help="bring back the trained weights or their difference from the initial ones (default: none: "

@@ -6,7 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
-from device_agent.executor.reference import OPTIMIZER_STATE
+from device_agent.optimizers import OPTIMIZER_STATE
 from host.cli.common import (
     EXIT_OK,
     RAM_BUDGET_HELP,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from device_agent.executor.reference import OPTIMIZERS
+from device_agent.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS
 from host.cli.common import (
     EXIT_INFEASIBLE,
     EXIT_OK,
@@ -32,7 +32,10 @@ from host.cli.common import (
 from host.cli.display import format_bytes
 from host.cli.solve import status_text
 from host.run.errors import SolveFailedError
-from host.run.train import DEMO_TIME_LIMIT_S, TrainReport, demo, train, verify
+from host.solver.deadline import DEMO_TIME_LIMIT_S
+
+if TYPE_CHECKING:  # host.run.train loads torch: a command imports it when it runs, not to parse its flags
+    from host.run.train import TrainReport
 
 
 def _run(args, console: Console, body) -> int:
@@ -68,6 +71,8 @@ def cmd_train(args, console: Console) -> int:
 
 
 def _train(args, console: Console) -> int:
+    from host.run.train import train
+
     report = train(args.model, args.platform, args.ram_budget, steps=args.steps, plain=args.plain,
                    events=args.events, cgroup=args.cgroup, log=console.log, progress=console.status,
                    **_run_keywords(args))
@@ -116,6 +121,8 @@ def cmd_verify(args, console: Console) -> int:
 
 
 def _verify(args, console: Console) -> int:
+    from host.run.train import verify
+
     report = verify(args.model, args.platform, args.ram_budget, steps=args.steps, log=console.log,
                     progress=console.status, **_run_keywords(args))
     console.status.close()
@@ -140,6 +147,8 @@ def cmd_demo(args, console: Console) -> int:
 
 
 def _demo(args, console: Console) -> int:
+    from host.run.train import demo
+
     report = demo(args.model, flash_dir=args.flash_dir, steps=args.steps, batch_size=args.batch_size,
                   ram_budget=args.ram_budget, runtime_budget=args.runtime_budget, time_limit_s=args.time_limit,
                   threads=args.threads, log=console.log, progress=console.status)
@@ -171,7 +180,7 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", metavar="FILE", type=file_path,
                         help="run this schedule (from `poet solve --out`) instead of solving (default: solve here)")
     parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default=DEFAULT_OPTIMIZER,
                         help="sgd (momentum 0.9) or adamw (default: sgd)")
     parser.add_argument("--accumulate", type=positive_int, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation), >= 1; the schedule is solved "

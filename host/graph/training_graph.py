@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-from device_agent.executor.reference import OPTIMIZER_STATE
+from device_agent.optimizers import OPTIMIZER_STATE
 
 NodeKind = Literal["fwd", "loss", "bwd"]
 NODE_KINDS: tuple[str, ...] = ("fwd", "loss", "bwd")

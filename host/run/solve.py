@@ -8,18 +8,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from device_agent.optimizers import DEFAULT_OPTIMIZER
 from host.run import values
 from host.run.errors import InputError
 from host.run.sources import ModelSource, load_platform
 from host.solver.solve import DEFAULT_TIME_LIMIT_S, FORMULATIONS
 
 SOLVERS = ("highs", "cbc", "gurobi")
-DEFAULT_OPTIMIZER = "sgd"  # as `poet train`'s default
 
 
 def checked_optimizer(optimizer: Any) -> str:
     """``optimizer`` if it is one whose state the plan can count (the names `poet train` takes), else InputError."""
-    from device_agent.executor.reference import OPTIMIZER_STATE
+    from device_agent.optimizers import OPTIMIZER_STATE
 
     if optimizer not in OPTIMIZER_STATE:
         raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE)} (its state is part "

@@ -20,7 +20,7 @@ from host.run.errors import InputError, SolveFailedError
 from host.run.loops import OPTIMIZERS, RunResult, parameter_differences, train_plain, train_scheduled
 from host.run.solve import SolveProblem, SolveReport, SolveSettings, run_solve
 from host.run.sources import LOCAL_PLATFORM, ModelSource, ensure_flash_dir, load_platform
-from host.solver.solve import DEFAULT_TIME_LIMIT_S
+from host.solver.deadline import DEFAULT_TIME_LIMIT_S, DEMO_TIME_LIMIT_S
 
 # verify's tolerance on max |a - b| / max |b| per parameter tensor (ops that are not deterministic)
 VERIFY_RELATIVE_TOLERANCE = 1e-6
@@ -524,9 +524,6 @@ def verify(
 
 
 # ---------------------------------------------------------------------------------------- demo
-DEMO_TIME_LIMIT_S = 60.0
-
-
 def demo(
     model: str = "resnet18_cifar",
     *,

@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 import time
 
+# Every solve stops here unless told otherwise, and returns its best schedule with its gap.
+DEFAULT_TIME_LIMIT_S = 300.0
+DEMO_TIME_LIMIT_S = 60.0  # `poet demo` solves for this machine while the user watches
+
 
 class DeadlineExpired(Exception):
     """The solve's time limit passed during ``phase``; the caller falls back to its best validated schedule."""

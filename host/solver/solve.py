@@ -16,7 +16,7 @@ from host.solver.baseline_pricing import (
     timed_replay_s,
 )
 from host.solver.baselines import keep_all_plan
-from host.solver.deadline import Deadline, DeadlineExpired
+from host.solver.deadline import DEFAULT_TIME_LIMIT_S, Deadline, DeadlineExpired
 from host.solver.milp import ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
@@ -24,9 +24,6 @@ from host.solver.stage_plan import StagePlan, drop_unread_pages, lower_plan, mak
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
 FORMULATIONS = {"poet-edge": PoetFormulation, "poet2022": Poet2022Formulation}
-
-# Every solve stops here unless told otherwise, and returns its best schedule with its gap.
-DEFAULT_TIME_LIMIT_S = 300.0
 
 
 class BudgetError(ValueError):

@@ -73,3 +73,15 @@ def test_the_console_script_and_python_m_agree():
     module = subprocess.run([sys.executable, "-m", "host.cli", "platforms"], capture_output=True, text=True,
                             env=test_env())
     assert module.returncode == 0 and module.stdout == poet("platforms").stdout
+
+
+def test_parsing_the_command_line_does_not_load_torch():
+    """`poet --help` and a bad flag answer at once: torch loads only when a command runs (it takes seconds)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from host.cli import build_parser; build_parser().parse_args(['solve', '--model', 'mlp', "
+             "'--platform', 'a72', '--ram-budget', '50%']); loaded = sorted(m for m in ('torch', 'device_agent.executor') "
+             "if m in sys.modules); print(','.join(loaded) or 'none')")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "none"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from device_agent.executor import OPTIMIZERS, make_optimizer
-from device_agent.executor.reference import OPTIMIZER_STATE
+from device_agent.optimizers import OPTIMIZER_STATE
 from host.fleet import service
 from host.run.sources import ModelSource
 from poet_edge import train
