@@ -668,7 +668,7 @@ class ScheduleExecutor:
         rng = torch.get_rng_state()
         try:
             with torch.no_grad():
-                results = functions.forward(*functions.arguments, *fed)
+                results = functions.call_forward(*functions.arguments, *fed)
         finally:
             torch.set_rng_state(rng)
         count = functions.output_count
@@ -684,7 +684,7 @@ class ScheduleExecutor:
         restore_rng = _replay_rng(op, program, state)
         try:
             with torch.no_grad():
-                results = functions.forward(*functions.arguments, *fed)
+                results = functions.call_forward(*functions.arguments, *fed)
         finally:
             if restore_rng is not None:
                 torch.set_rng_state(restore_rng)
@@ -755,7 +755,7 @@ class ScheduleExecutor:
             grads.append(total)
         saved = [self._read_saved(item, state, program.name) for item in record.saved]
         with torch.no_grad():
-            results = functions.backward(*saved, *grads)
+            results = functions.call_backward(*saved, *grads)
         del saved, grads
         if not op.retain:
             self._drop_record(program.index)

@@ -341,7 +341,7 @@ def _lower_forward(src: _Source, partition: Partition, op: PlannedOp, position: 
             body(f"restore = torch.get_rng_state(); torch.set_rng_state({rng})")
         else:
             body(f"{rng} = torch.get_rng_state()")
-    call = f"r = {src.const(function.forward.forward, 'fwd')}(*{src.const(function.arguments, 'args')}, {fed})"
+    call = f"r = {src.const(function.call_forward, 'fwd')}(*{src.const(function.arguments, 'args')}, {fed})"
     if program.random and op.recompute:
         body("try:")
         body(f"    {call}")
@@ -409,7 +409,7 @@ def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], po
         body(f"if {g}.stride() != {stride!r}: {g} = torch.empty_strided({tuple(shape)!r}, {stride!r}, "
              f"dtype={src.const(dtype, 'dtype')}).copy_({g})")
         grads.append(g)
-    call = f"R = {src.const(function.backward.forward, 'bwd')}({_tuple(saved)}{_tuple(grads)})"
+    call = f"R = {src.const(function.call_backward, 'bwd')}({_tuple(saved)}{_tuple(grads)})"
     body(call)
     if grads:
         body(f"del {', '.join(grads)}")

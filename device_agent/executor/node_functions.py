@@ -19,12 +19,13 @@ detached copies, with the global RNG state put back afterwards, so capture chang
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
 
+from device_agent.executor.aten_calls import compile_graph
 from device_agent.executor.errors import ExecutorError
 from device_agent.executor.partition import NodeProgram
 from device_agent.executor.split import draws_random
@@ -53,6 +54,10 @@ class NodeFunctions:
     # training-mode backward receives but never reads. The buffer itself is passed instead (as eager autograd
     # saves it), so the copy the forward returned is not held until the backward.
     saved_buffers: dict[int, int] = field(default_factory=dict)
+    # ``forward`` and ``backward`` as plain functions calling torch's bindings of the same op overloads (see
+    # device_agent.executor.aten_calls): what the step runs; the GraphModules stay the exportable record
+    call_forward: Callable | None = None
+    call_backward: Callable | None = None
 
     @property
     def arguments(self) -> tuple[torch.Tensor, ...]:
@@ -149,7 +154,9 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
     saved_buffers = _saved_running_statistics(forward, backward, output_count, len(buffers)) if backward else {}
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
-                         saved_count if backward is not None else 0, strides, saved_buffers)
+                         saved_count if backward is not None else 0, strides, saved_buffers,
+                         compile_graph(forward, "node_forward"),
+                         compile_graph(backward, "node_backward") if backward is not None else None)
 
 
 def _saved_running_statistics(forward: GraphModule, backward: GraphModule, output_count: int,
