@@ -53,7 +53,7 @@ from device_agent.executor.page_store import (
 from device_agent.executor.partition import Partition, unique_by_identity
 from device_agent.executor.plan import PlannedOp, plan_schedule
 from device_agent.executor.ram_store import EntryBuilder, RamStore, StorageKey, storage_key
-from device_agent.executor.results import COUNTER_FIELDS, Counters, StepResult, copy_counters
+from device_agent.executor.results import Counters, StepResult, copy_counters
 from device_agent.executor.saved import (
     GraphRecord,
     Packer,
@@ -145,7 +145,6 @@ class ScheduleExecutor:
             self.stale_page_dirs = remove_stale_page_dirs(flash_dir, log=log)
         self._trim = malloc_trim() if return_freed_memory else None
         self.step_index = 0
-        self.totals = Counters()
         self._records: dict[int, GraphRecord | SavedRecord] = {}
         # node_functions (the default): fwd/loss nodes run as forward and backward functions without autograd,
         # captured at their first compute (node_functions.py), and later steps as one straight-line program
@@ -292,7 +291,6 @@ class ScheduleExecutor:
             saved_tensor_reads=counters.saved_tensor_reads,
         )
         self.events.emit(summary)
-        self._accumulate_totals(counters)
         self.step_index += 1
         return StepResult(step, state.loss, duration_s, peak_tracked_bytes, counters, summary, lowered is not None)
 
@@ -863,11 +861,6 @@ class ScheduleExecutor:
             for buffer, saved in zip(self._buffers, self._buffer_copies, strict=True):
                 buffer.copy_(saved)
 
-    def _accumulate_totals(self, counters: Counters) -> None:
-        totals = self.totals
-        for name in COUNTER_FIELDS:
-            setattr(totals, name, getattr(totals, name) + getattr(counters, name))
-        totals.computes_per_node.update(counters.computes_per_node)
 
 
 def _replay_rng(op: PlannedOp, program, state: _Step) -> torch.Tensor | None:
