@@ -46,11 +46,14 @@ demo: setup
 	# schedule for its own RAM budget, then the same app trained plainly; the parameters are compared
 	$(BIN)/python -m poet_edge.flower.demo --rounds 1 --nodes 2 --steps 4 --dir $(DEMO_DIR)/flower
 
+# Tests run in parallel, one pytest worker per core (pytest-xdist); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check poet_edge host device_agent tests bench

@@ -54,6 +54,7 @@ def test_gpt2_from_its_config_returning_logits_verifies_through_the_cli(tmp_path
     assert report["peak_tracked_bytes"] <= report["ram_budget_bytes"]
 
 
+@pytest.mark.slow  # ~6 s
 def test_a_model_output_trains_on_its_logits_like_the_logits_themselves(tmp_path):
     as_is = verify("tests.models.huggingface:gpt2_as_is", "a72", "100%", steps=2, flash_dir=tmp_path)
     logits = verify("tests.models.huggingface:gpt2_logits", "a72", "100%", steps=2, flash_dir=tmp_path)

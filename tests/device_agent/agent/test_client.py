@@ -312,6 +312,7 @@ def _wait_line(proc, needle: str, timeout_s: float = 30.0) -> list[str]:
     raise AssertionError(f"no {needle!r} in: {''.join(lines)}")
 
 
+@pytest.mark.slow  # two agent processes, ~5 s
 def test_removed_node_exits_with_code_3_and_sigterm_exits_0(cert_root, server, tmp_path):
     server.fleet.denied.add("node-b")
     refused = subprocess.run(_agent_cmd(cert_root, server.target, tmp_path / "b", "node-b"), capture_output=True,

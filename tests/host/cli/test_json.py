@@ -20,9 +20,11 @@ def test_solve_with_the_milp_keeps_the_solver_banner_off_stdout(tmp_path):
 @pytest.mark.parametrize("command,argv,key", [
     ("pareto", ["--model", "poet2022:linear", "--platform", "a72", "--points", "2"], "rows"),
     ("train", ["--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--steps", "2"], "measured"),
-    ("verify", ["--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--steps", "1"], "ok"),
+    pytest.param("verify", ["--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--steps", "1"], "ok",
+                 marks=pytest.mark.slow),  # ~5 s each: train covers the path fast
     ("profile", ["--local", "--quick"], "page_in_throughput_bytes_per_s"),
-    ("demo", ["--model", "mlp", "--ram-budget", "80%", "--steps", "1"], "solve_status"),
+    pytest.param("demo", ["--model", "mlp", "--ram-budget", "80%", "--steps", "1"], "solve_status",
+                 marks=pytest.mark.slow),
 ])
 def test_every_command_prints_one_json_object(tmp_path, command, argv, key):
     flash = tmp_path / "flash"

@@ -56,6 +56,7 @@ def test_verify_fails_when_parameters_differ(capfd, tmp_path, monkeypatch):
     assert not report["ok"] and report["max_rel_param_diff"] > 1e-6
 
 
+@pytest.mark.slow  # real paging through the CLI, ~7 s
 def test_train_pages_for_real_and_reports_predicted_against_measured(capfd, tmp_path):
     events = tmp_path / "events.jsonl"
     flash = tmp_path / "flash"

@@ -428,6 +428,7 @@ _SERVE_AND_SUBMIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a coordinator killed and restarted, ~5 s
 def test_a_running_run_is_handed_out_again_after_the_coordinator_is_killed(cert_dir, tmp_path):
     from tests.host.cli.helpers import test_env
 

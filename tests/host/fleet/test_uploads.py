@@ -81,6 +81,7 @@ def stat(cert_dir, port, digest):
 
 
 # ------------------------------------------------------------------------------------------ `poet serve` + `poet run`
+@pytest.mark.slow  # a coordinator, a trace and an upload, ~16 s
 def test_poet_run_traces_a_module_callable_on_the_operators_side_and_the_coordinator_never_imports_it(cert_dir,
                                                                                                        tmp_path):
     """The coordinator could import the module (it is on its path too): on the old code it did, and the marker
@@ -109,6 +110,7 @@ def test_poet_run_traces_a_module_callable_on_the_operators_side_and_the_coordin
         assert served.stop() == 0
 
 
+@pytest.mark.slow  # ~7 s
 def test_poet_run_with_os_abort_leaves_the_coordinator_up(cert_dir, tmp_path):
     """`--model os:abort` killed the coordinator: now it aborts only the operator's own `poet run`."""
     served = Served(cert_dir, tmp_path / "state")
