@@ -862,7 +862,6 @@ class ScheduleExecutor:
                 buffer.copy_(saved)
 
 
-
 def _replay_rng(op: PlannedOp, program, state: _Step) -> torch.Tensor | None:
     """A random program's first run records the RNG state; a recompute replays it. Returns the state to put
     back after a recompute (None otherwise)."""

@@ -56,8 +56,13 @@ class NodeFunctions:
     saved_buffers: dict[int, int] = field(default_factory=dict)
     # ``forward`` and ``backward`` as plain functions calling torch's bindings of the same op overloads (see
     # device_agent.executor.aten_calls): what the step runs; the GraphModules stay the exportable record
-    call_forward: Callable | None = None
-    call_backward: Callable | None = None
+    call_forward: Callable = field(init=False, repr=False, compare=False)
+    call_backward: Callable | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "call_forward", compile_graph(self.forward, "node_forward"))
+        backward = compile_graph(self.backward, "node_backward") if self.backward is not None else None
+        object.__setattr__(self, "call_backward", backward)
 
     @property
     def arguments(self) -> tuple[torch.Tensor, ...]:
@@ -154,9 +159,7 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
     saved_buffers = _saved_running_statistics(forward, backward, output_count, len(buffers)) if backward else {}
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
-                         saved_count if backward is not None else 0, strides, saved_buffers,
-                         compile_graph(forward, "node_forward"),
-                         compile_graph(backward, "node_backward") if backward is not None else None)
+                         saved_count if backward is not None else 0, strides, saved_buffers)
 
 
 def _saved_running_statistics(forward: GraphModule, backward: GraphModule, output_count: int,

@@ -181,7 +181,7 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
                         help="run this schedule (from `poet solve --out`) instead of solving (default: solve here)")
     parser.add_argument("--flash-dir", type=directory_path, default=".", metavar="DIR", help=FLASH_DIR_HELP)
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default=DEFAULT_OPTIMIZER,
-                        help="sgd (momentum 0.9) or adamw (default: sgd)")
+                        help=f"sgd (momentum 0.9) or adamw (default: {DEFAULT_OPTIMIZER})")
     parser.add_argument("--accumulate", type=positive_int, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation), >= 1; the schedule is solved "
                              "for one micro-batch, so an N times larger batch fits the same RAM; here each micro-batch "

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from device_agent.executor.reference import OPTIMIZERS, parameter_differences
+from device_agent.executor.reference import parameter_differences
+from device_agent.optimizers import OPTIMIZERS
 from host.run.errors import InputError
 
 __all__ = ["OPTIMIZERS", "RunResult", "StepProgress", "make_optimizer", "parameter_differences", "train_plain",
