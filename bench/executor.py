@@ -116,14 +116,16 @@ def _per_node_autograd_step(partition, inputs, labels, optimizer) -> None:
     optimizer.step()
 
 
-def overhead_rows(model: str, batch_size: int, steps: int, threads: int) -> list[dict]:
-    """Keep-all schedule against plain PyTorch (and the per-node floor), interleaved in one process, per granularity."""
+def overhead_rows(model: str, batch_size: int, steps: int, threads: int, compiled: bool = False) -> list[dict]:
+    """Keep-all schedule against plain PyTorch (and the per-node floor), interleaved in one process, per granularity;
+    ``compiled``: also POET --compile's keep-all and torch.compile of the whole model."""
     torch.set_num_threads(threads)
-    return [_overhead_row(model, granularity, depth, batch_size, steps)
+    return [_overhead_row(model, granularity, depth, batch_size, steps, compiled)
             for granularity, depth in (("layer", 1), ("block", 2), ("block", 1))]
 
 
-def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, steps: int) -> dict:
+def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, steps: int,
+                  compiled: bool = False) -> dict:
     from device_agent.executor import ScheduleExecutor, plain_train_step
     from host.costs import load_profile, price_graph
     from host.graph.partition import partition_from_traced
@@ -156,6 +158,32 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
                 run()
                 if step >= 2:
                     times_s[name].append(time.perf_counter() - started)
+        if compiled:  # POET --compile and torch.compile, each on its own copy of the model
+            compiled_bundle, whole = spec.bundle(batch_size, seed=0), spec.bundle(batch_size, seed=0)
+            compiled_executor = ScheduleExecutor(
+                partition_from_traced(trace_model(compiled_bundle, granularity=granularity, block_depth=depth)),
+                schedule, inductor=True)
+            sgd_e, sgd_f = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
+                            for b in (compiled_bundle, whole))
+            whole_forward = torch.compile(whole.module)
+
+            def whole_step() -> None:
+                sgd_f.zero_grad(set_to_none=True)
+                whole.training_loss(whole_forward(*whole.inputs), whole.labels).backward()
+                sgd_f.step()
+
+            runs = {"compiled": lambda: compiled_executor.train_step(compiled_bundle.inputs, compiled_bundle.labels,
+                                                                     sgd_e),
+                    "torch.compile": whole_step, "plain": runs["plain"], "schedule": runs["schedule"]}
+            for name in ("compiled", "torch.compile"):  # compile outside the timed steps
+                runs[name]()
+                runs[name]()
+            for _ in range(steps):
+                for name, run in runs.items():
+                    started = time.perf_counter()
+                    run()
+                    times_s.setdefault(f"{name}/compiled", []).append(time.perf_counter() - started)
+            compiled_executor.close()
         lowered = executor.train_step(scheduled.inputs, scheduled.labels, sgd_a).lowered
 
     def paired(name: str) -> list[float]:
@@ -164,7 +192,17 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     ratios = paired("schedule")
     instructions = len(schedule.instructions)
     plain_s = statistics.median(times_s["plain"])
+    compiled_columns = {}
+    if compiled:  # their own interleaved round, against the plain steps timed beside them
+        def against_plain(name: str) -> float:
+            return statistics.median(a / b for a, b in zip(times_s[f"{name}/compiled"], times_s["plain/compiled"],
+                                                           strict=True))
+
+        compiled_columns = {"compiled_ratio": against_plain("compiled"),
+                            "uncompiled_ratio": against_plain("schedule"),
+                            "torch_compile_ratio": against_plain("torch.compile")}
     return {
+        **compiled_columns,
         "granularity": granularity if granularity == "layer" else f"block:{depth}",
         "nodes": traced.graph.size,
         "instructions": instructions,
@@ -447,9 +485,11 @@ class _Method:
         self._plain_step = plain_train_step
         flat, blocks = _pieces(bundle.module)
         if self.kind == "poet":
-            traced = trace_model(bundle, granularity="layer")
+            traced = trace_model(bundle, granularity=method.get("granularity", "layer"),
+                                 block_depth=method.get("block_depth", 1))
             self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(method["schedule"]),
-                                             flash_dir=config["flash_dir"], energy_meter=meter)
+                                             flash_dir=config["flash_dir"], energy_meter=meter,
+                                             inductor=method.get("inductor", False))
         elif self.kind == "sequential":
             self.forward = lambda x: checkpoint_sequential(torch.nn.Sequential(*flat), self.segments, x,
                                                            use_reentrant=False)
@@ -535,6 +575,12 @@ def _meter(config: dict):
     return measured if measured is not None else modelled
 
 
+def _warm_up_steps(spec: dict) -> int:
+    """Steps before timing: torch.compile compiles the forward, then the backward; POET captures (and with
+    inductor compiles) its node functions in its first step and lowers the step after it."""
+    return 2 if spec["method"] == "compile" or spec.get("inductor") else 1
+
+
 def run_timed(config: dict) -> list[dict]:
     """Every method in this one process, their steps interleaved: median step time and energy per method."""
     torch.set_num_threads(config["threads"])
@@ -543,7 +589,7 @@ def run_timed(config: dict) -> list[dict]:
     for i, spec in enumerate(config["methods"]):
         try:
             method = _Method(config, spec, meter)
-            for _ in range(2 if spec["method"] == "compile" else 1):  # warm-up (compile: forward, then backward)
+            for _ in range(_warm_up_steps(spec)):
                 method.step()
             methods.append((i, method))
         except Exception as error:  # noqa: BLE001 - one method failing (no compiler) is a row, not the end
@@ -579,7 +625,7 @@ def run_peak(config: dict) -> dict:
     spec = config["methods"][0]
     try:
         method = _Method(config, spec, _meter(config))
-        for _ in range(2 if spec["method"] == "compile" else 1):  # warm-up
+        for _ in range(_warm_up_steps(spec)):
             method.step()
         release_free_memory()
         with PeakRssSampler() as peak:
@@ -639,13 +685,17 @@ def _share_text(share: float) -> str:
     return f"{100 * share:g}%"
 
 
-def _method_specs(model: str, batch_size: int, shares: list[float], schedules: dict[float, str]) -> list[tuple]:
-    """(label, config, share or None) of every method; POET and torch.compile once per share."""
+def _method_specs(model: str, batch_size: int, shares: list[float], schedules: dict[float, str],
+                  compiled: dict[float, str], compile_granularity: tuple[str, int]) -> list[tuple]:
+    """(label, config, share or None) of every method; POET (and POET --compile) and torch.compile once per share."""
     from host.graph.zoo import get_model_spec
 
     flat, _ = _pieces(get_model_spec(model).build())
     specs = [("plain", {"method": "plain"}, None)]
     specs += [("POET", {"method": "poet", "schedule": schedules[s]}, s) for s in shares if s in schedules]
+    granularity, depth = compile_granularity
+    specs += [(COMPILED_POET, {"method": "poet", "schedule": compiled[s], "granularity": granularity,
+                               "block_depth": depth, "inductor": True}, s) for s in shares if s in compiled]
     specs += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}, None)
               for k in CHECKPOINT_SEGMENTS if k < len(flat)]
     specs += [("per-block checkpoint", {"method": "per_block"}, None),
@@ -670,21 +720,38 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
     priced = price_graph(resolved.graph, profile)
     peak = no_remat_peak_bytes(priced)
     workdir = tempfile.mkdtemp(prefix="poet-bench-")
-    infos, schedules = {}, {}
-    for share in shares:
-        print(f"[{model}] solving at {_share_text(share)} of the no-remat peak", file=log, flush=True)
-        result = solve_schedule(priced, SolveOptions(ram_budget_bytes=share * peak, runtime_factor=args.runtime_budget,
-                                                     time_limit_s=args.time_limit, paging=args.paging))
-        info = {"model": model, "batch_size": batch_size, "budget_share": share, "no_remat_peak_bytes": peak,
-                "budget_bytes": share * peak, "status": result.status, "gap": result.gap,
-                "calibrated": args.calibrate, "message": result.message}
+    infos, schedules, compiled = {}, {}, {}
+    compiled_priced = None
+    if args.compile:  # POET --compile runs coarser nodes (inductor fuses within a node): its own trace and solve
+        from host.graph.trace import trace_model
+        from host.graph.zoo import get_model_spec
+
+        granularity, depth = args.compile_granularity
+        compiled_traced = trace_model(get_model_spec(model).bundle(batch_size, seed=0), granularity=granularity,
+                                      block_depth=depth)
+        compiled_priced = price_graph(compiled_traced.graph, profile)
+
+    def solve(graph, share: float, label: str, paths: dict, name: str) -> dict:
+        print(f"[{model}] solving {label} at {_share_text(share)} of the no-remat peak", file=log, flush=True)
+        result = solve_schedule(graph, SolveOptions(ram_budget_bytes=share * peak, runtime_factor=args.runtime_budget,
+                                                    time_limit_s=args.time_limit, paging=args.paging))
+        solved = {"status": result.status, "gap": result.gap, "message": result.message, "nodes": graph.graph.size}
         if result.schedule is not None:
-            schedules[share] = os.path.join(workdir, f"schedule-{share}.json")
-            write_schedule_file(result.schedule, schedules[share])
+            paths[share] = os.path.join(workdir, f"{name}-{share}.json")
+            write_schedule_file(result.schedule, paths[share])
             predicted = result.schedule.prediction
-            info.update(counts=result.schedule.counts(), predicted_runtime_s=predicted.runtime_s,
-                        predicted_paging_s=predicted.paging_s, predicted_energy_j=predicted.energy_j,
-                        predicted_peak_bytes=predicted.peak_ram_bytes)
+            solved.update(counts=result.schedule.counts(), predicted_runtime_s=predicted.runtime_s,
+                          predicted_paging_s=predicted.paging_s, predicted_energy_j=predicted.energy_j,
+                          predicted_peak_bytes=predicted.peak_ram_bytes)
+        return solved
+
+    for share in shares:
+        info = {"model": model, "batch_size": batch_size, "budget_share": share, "no_remat_peak_bytes": peak,
+                "budget_bytes": share * peak, "calibrated": args.calibrate,
+                **solve(priced, share, "POET", schedules, "schedule")}
+        if compiled_priced is not None:
+            info["compiled"] = {"granularity": _granularity_text(args.compile_granularity),
+                                **solve(compiled_priced, share, COMPILED_POET, compiled, "compiled")}
         infos[share] = info
     common = {
         "model": model, "batch_size": batch_size, "threads": args.threads, "steps": args.steps,
@@ -692,7 +759,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
         "compute_power_w": measured_profile.compute_power_w,  # profiled with args.threads threads
         "memory_power_w": measured_profile.memory_power_w, "flash_dir": args.flash_dir,
     }
-    specs = _method_specs(model, batch_size, shares, schedules)
+    specs = _method_specs(model, batch_size, shares, schedules, compiled, args.compile_granularity)
     print(f"[{model}] timing {len(specs)} methods interleaved", file=log, flush=True)
     timed = _spawn({**common, "methods": [config for _, config, _ in specs]}, "--run-timed",
                    allocator="glibc keeps freed memory")
@@ -700,7 +767,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
     for label, config, share in specs:
         print(f"[{model}] peak of {label}{'' if share is None else ' at ' + _share_text(share)}", file=log, flush=True)
         measured.append(_spawn({**common, "methods": [config]}, "--run-peak", allocator="returns freed memory at once"))
-    for path in schedules.values():
+    for path in (*schedules.values(), *compiled.values()):
         os.unlink(path)
     os.rmdir(workdir)
     plain = measured[0]
@@ -716,9 +783,17 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
             share_rows.insert(1, {"model": model, "batch_size": batch_size, "budget_share": share, "method": "POET",
                                   **dict.fromkeys(METHOD_FIELDS), "fits_budget": False,
                                   "note": f"no schedule: {info['message']}"})
+        if args.compile and share not in compiled:
+            share_rows.insert(2, {"model": model, "batch_size": batch_size, "budget_share": share,
+                                  "method": COMPILED_POET, **dict.fromkeys(METHOD_FIELDS), "fits_budget": False,
+                                  "note": f"no schedule at {info['compiled']['granularity']} granularity: "
+                                          f"{info['compiled']['message']}"})
         rows += share_rows
     return list(infos.values()), rows
 
+
+# POET with its node functions through inductor, solved at --compile-granularity
+COMPILED_POET = "POET --compile"
 
 # Every method row has these (None where they do not apply or the method could not run).
 METHOD_FIELDS = ("s_per_step", "j_per_step", "energy_source", "peak_rss_bytes", "tracked_bytes", "tracked_source",
@@ -742,6 +817,9 @@ def _method_row(model, batch_size, share, info, label, config, timing, memory, p
     if config["method"] == "poet":
         row["fits_budget"] = tracked is not None and tracked <= info["budget_bytes"] * 1.001
         notes.append("the executor holds its tracked bytes under the budget")
+        if config.get("inductor"):
+            row["granularity"] = info["compiled"]["granularity"]
+            notes.append(f"inductor kernels, {row['granularity']} nodes (not bitwise eager)")
     elif tracked is None:
         row["fits_budget"] = None
     else:
@@ -773,6 +851,20 @@ def _parse_budgets(text: str) -> list[float]:
     return shares
 
 
+def _parse_granularity(text: str) -> tuple[str, int]:
+    """``layer`` or ``block:N`` (N blocks' depth: 1 is the coarsest) as (granularity, block depth)."""
+    if text == "layer":
+        return "layer", 1
+    kind, _, depth = text.partition(":")
+    if kind == "block" and depth.isdigit() and int(depth) >= 1:
+        return "block", int(depth)
+    raise argparse.ArgumentTypeError(f"a granularity is 'layer' or 'block:N' with N >= 1, got {text!r}")
+
+
+def _granularity_text(granularity: tuple[str, int]) -> str:
+    return granularity[0] if granularity[0] == "layer" else f"block:{granularity[1]}"
+
+
 def _mb(value) -> str:
     return "-" if value is None else f"{value / 1e6:.2f}"
 
@@ -784,19 +876,26 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
           "functions and every step after the first lowered to one straight-line program; autograd: the same "
           "executor with node_functions=False, every node under autograd (the executor before the lowering); "
           "floor: the same nodes run one by one with one autograd call each, without the executor's store, "
-          "hooks and telemetry; us/instr: the overhead per instruction beyond plain PyTorch's step)\n", file=log)
+          "hooks and telemetry; us/instr: the overhead per instruction beyond plain PyTorch's step"
+          + ("; with --compile, a second interleaved round: POET --compile's keep-all, POET uncompiled and "
+             "torch.compile of the whole model, each as a median ratio to plain in that round" if args.compile else "")
+          + ")\n", file=log)
     print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
           f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'us/instr':>9} {'autograd':>9} {'us/instr':>9} "
-          f"{'floor':>6} {'lowered':>8}", file=log)
+          f"{'floor':>6} {'lowered':>8}"
+          + (f" {'compiled':>9} {'uncompiled':>11} {'torch.compile':>14}" if args.compile else ""), file=log)
     rows = []
     for allocator in ("glibc default", "glibc keeps freed memory"):
-        config = {"model": model, "batch_size": batch_size, "steps": args.overhead_steps, "threads": args.threads}
+        config = {"model": model, "batch_size": batch_size, "steps": args.overhead_steps, "threads": args.threads,
+                  "compile": args.compile}
         for row in _spawn(config, mode="--run-overhead", allocator=allocator):
             print(f"{allocator:<26} {row['granularity']:<12} {row['nodes']:>5} {row['instructions']:>6} "
                   f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
                   f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['overhead_us_per_instruction']:>9.1f} "
                   f"{row['autograd_ratio']:>9.3f} {row['autograd_overhead_us_per_instruction']:>9.1f} "
-                  f"{row['floor_ratio']:>6.3f} {'yes' if row['lowered'] else 'no':>8}", file=log, flush=True)
+                  f"{row['floor_ratio']:>6.3f} {'yes' if row['lowered'] else 'no':>8}"
+                  + (f" {row['compiled_ratio']:>9.3f} {row['uncompiled_ratio']:>11.3f} {row['torch_compile_ratio']:>14.3f}"
+                     if "compiled_ratio" in row else ""), file=log, flush=True)
             rows.append({"model": model, "batch_size": batch_size, "allocator": allocator,
                          "granularity": row["granularity"], "nodes": row["nodes"],
                          "instructions": row["instructions"], "plain_s_per_step": row["plain_s"],
@@ -805,25 +904,22 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
                          "overhead_us_per_instruction": row["overhead_us_per_instruction"],
                          "autograd_s_per_step": row["autograd_s"], "autograd_ratio": row["autograd_ratio"],
                          "autograd_overhead_us_per_instruction": row["autograd_overhead_us_per_instruction"],
-                         "lowered": row["lowered"], "autograd_nodes": row["autograd_nodes"]})
+                         "lowered": row["lowered"], "autograd_nodes": row["autograd_nodes"],
+                         **{k: row[k] for k in ("compiled_ratio", "uncompiled_ratio", "torch_compile_ratio")
+                            if k in row}})
     return rows
 
 
 def _print_methods(args, info: dict, rows: list[dict], log) -> None:
     share = info["budget_share"]
     print(f"\n## 2. {info['model']}, batch {info['batch_size']}, at {_share_text(share)} of the no-remat peak "
-          f"({info['budget_bytes'] / 1e6:.2f} MB of {info['no_remat_peak_bytes'] / 1e6:.2f} MB), layer granularity, "
+          f"({info['budget_bytes'] / 1e6:.2f} MB of {info['no_remat_peak_bytes'] / 1e6:.2f} MB), POET at layer granularity, "
           f"profile of this machine (quick{', calibrated on executor telemetry of this model' if info['calibrated'] else ''})"
           "\n", file=log)
-    if "counts" in info:
-        gap = f", gap {100 * info['gap']:.1f}%" if info["gap"] else ""
-        counts = info["counts"]
-        print(f"POET schedule ({info['status']}{gap}, runtime factor {args.runtime_budget}): "
-              f"{counts['recomputes']} recomputes, {counts['page_outs']} page-outs, {counts['page_ins']} page-ins; "
-              f"predicted {info['predicted_runtime_s'] + info['predicted_paging_s']:.4f} s, "
-              f"{info['predicted_energy_j']:.3f} J, peak {info['predicted_peak_bytes'] / 1e6:.2f} MB", file=log)
-    else:
-        print(f"POET: no schedule ({info['status']}: {info['message']})", file=log)
+    _print_solve("POET", info, args, log)
+    if "compiled" in info:
+        _print_solve(f"{COMPILED_POET} ({info['compiled']['granularity']}, {info['compiled']['nodes']} nodes)",
+                     info["compiled"], args, log)
     sources = sorted({r["energy_source"] for r in rows if r.get("energy_source")})
     print(f"energy: {', '.join(sources) or '-'}; peak RSS: high-water above the step-start RSS, allocator returning "
           f"freed memory at once; tracked: POET's executor, else live activation bytes (torch.compile: saved bytes); "
@@ -838,23 +934,37 @@ def _print_methods(args, info: dict, rows: list[dict], log) -> None:
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits_budget")]
         print(f"{label:<34} {step_s:>8} {energy:>8} {_mb(row.get('peak_rss_bytes')):>12} "
               f"{_mb(row.get('tracked_bytes')):>11} {fits:>5}  {row.get('note', '')}", file=log)
-    poet = next((r for r in rows if r["method"] == "POET" and r.get("j_per_step") is not None), None)
-    rivals = [r for r in rows if r["method"] not in ("plain", "POET") and r.get("j_per_step") is not None
+    rivals = [r for r in rows if r["method"] not in ("plain", "POET", COMPILED_POET) and r.get("j_per_step") is not None
               and r.get("peak_rss_bytes") is not None]
-    if poet is None or not rivals or poet.get("peak_rss_bytes") is None:
+    for name in ("POET", COMPILED_POET):
+        poet = next((r for r in rows if r["method"] == name and r.get("j_per_step") is not None), None)
+        if poet is None or not rivals or poet.get("peak_rss_bytes") is None:
+            continue
+        within = [r for r in rivals if r["peak_rss_bytes"] <= 1.05 * poet["peak_rss_bytes"]]
+        if within:
+            best = min(within, key=lambda r: r["j_per_step"])
+            print(f"\nat equal or lower peak RSS (within 5% of {name}'s {_mb(poet['peak_rss_bytes'])} MB), the "
+                  f"lowest-energy alternative is {best['method']}: {best['j_per_step'] / poet['j_per_step']:.2f}x "
+                  f"{name}'s energy, {best['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
+        else:
+            print(f"\nno alternative ran at or below {name}'s peak RSS ({_mb(poet['peak_rss_bytes'])} MB, within 5%)",
+                  file=log)
+        nearest = min(rivals, key=lambda r: abs(r["peak_rss_bytes"] - poet["peak_rss_bytes"]))
+        print(f"nearest in memory: {nearest['method']} at {_mb(nearest['peak_rss_bytes'])} MB: "
+              f"{nearest['j_per_step'] / poet['j_per_step']:.2f}x {name}'s energy, "
+              f"{nearest['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
+
+
+def _print_solve(name: str, solved: dict, args, log) -> None:
+    if "counts" not in solved:
+        print(f"{name}: no schedule ({solved['status']}: {solved['message']})", file=log)
         return
-    within = [r for r in rivals if r["peak_rss_bytes"] <= 1.05 * poet["peak_rss_bytes"]]
-    if within:
-        best = min(within, key=lambda r: r["j_per_step"])
-        print(f"\nat equal or lower peak RSS (within 5% of POET's {_mb(poet['peak_rss_bytes'])} MB), the lowest-energy "
-              f"alternative is {best['method']}: {best['j_per_step'] / poet['j_per_step']:.2f}x POET's energy, "
-              f"{best['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
-    else:
-        print(f"\nno alternative ran at or below POET's peak RSS ({_mb(poet['peak_rss_bytes'])} MB, within 5%)", file=log)
-    nearest = min(rivals, key=lambda r: abs(r["peak_rss_bytes"] - poet["peak_rss_bytes"]))
-    print(f"nearest in memory: {nearest['method']} at {_mb(nearest['peak_rss_bytes'])} MB: "
-          f"{nearest['j_per_step'] / poet['j_per_step']:.2f}x POET's energy, "
-          f"{nearest['s_per_step'] / poet['s_per_step']:.2f}x its time", file=log)
+    gap = f", gap {100 * solved['gap']:.1f}%" if solved["gap"] else ""
+    counts = solved["counts"]
+    print(f"{name} schedule ({solved['status']}{gap}, runtime factor {args.runtime_budget}): "
+          f"{counts['recomputes']} recomputes, {counts['page_outs']} page-outs, {counts['page_ins']} page-ins; "
+          f"predicted {solved['predicted_runtime_s'] + solved['predicted_paging_s']:.4f} s, "
+          f"{solved['predicted_energy_j']:.3f} J, peak {solved['predicted_peak_bytes'] / 1e6:.2f} MB", file=log)
 
 
 def _failed(report: dict, model: str, part: int, error: BaseException, log) -> None:
@@ -886,6 +996,12 @@ def main() -> None:
                         help="solve part 2 on the quick local profile as measured, without fitting it to the "
                              "executor's telemetry first")
     parser.add_argument("--no-paging", dest="paging", action="store_false", help="part 2: POET recomputes only")
+    parser.add_argument("--compile", action="store_true",
+                        help=f"part 2: also run '{COMPILED_POET}', POET with its node functions through inductor "
+                             "(fused kernels, not bitwise eager), solved at --compile-granularity")
+    parser.add_argument("--compile-granularity", type=_parse_granularity, default=("block", 1),
+                        help="nodes of the --compile rows: layer or block:N (default block:1: inductor fuses within "
+                             "a node, and each compiled call costs about 20 us)")
     parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)
@@ -906,7 +1022,8 @@ def main() -> None:
         return
     if args.run_overhead:
         config = json.loads(args.run_overhead)
-        print(json.dumps(overhead_rows(config["model"], config["batch_size"], config["steps"], config["threads"])))
+        print(json.dumps(overhead_rows(config["model"], config["batch_size"], config["steps"], config["threads"],
+                                       config.get("compile", False))))
         return
     models = [args.model] if args.model else [m.strip() for m in args.models.split(",") if m.strip()]
     log = sys.stderr if args.json else sys.stdout

@@ -1,7 +1,8 @@
 """Runs a Schedule on a real model: the RAM tensor store, the flash page store, exact backward.
 
 Rooms: plan.py (the schedule checked and annotated before training), executor.py (the runtime),
-node_functions.py (a node's forward and backward functions), lowering.py (the straight-line program),
+node_functions.py (a node's forward and backward functions), aten_calls.py and inductor.py (those
+functions as plain Python calls, or through inductor's kernels), lowering.py (the straight-line program),
 saved.py (where each saved tensor lives until its backward), results.py (what a step reports),
 ram_store.py and page_store.py (the stores), telemetry.py, reference.py (plain PyTorch training, the
 optimizers and their state, the parameters' comparison), errors.py.

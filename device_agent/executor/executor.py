@@ -115,6 +115,7 @@ class ScheduleExecutor:
         return_freed_memory: bool = False,
         instrumented: bool = False,
         node_functions: bool = True,
+        inductor: bool = False,
         overlap_paging: bool = True,
         log: Callable[[str], None] | None = None,
     ):
@@ -152,6 +153,9 @@ class ScheduleExecutor:
         # more bytes than the trace priced (the schedule's budget rests on them), runs under autograd instead
         # (listed in autograd_nodes, with the reason). node_functions=False runs every node under autograd.
         self.node_functions = node_functions
+        # inductor: node functions run inductor's fused kernels (device_agent.executor.inductor): faster on nodes
+        # with work to fuse, not bitwise eager; every schedule still computes the same as keep-all
+        self.inductor = inductor
         # lowered steps run page transfers on an I/O thread behind compute (lowering.LoweringRuntime)
         self.overlap_paging = overlap_paging
         self._functions: dict[int, NodeFunctions | None] = {}
@@ -645,7 +649,7 @@ class ScheduleExecutor:
             partition = self.partition
             receiving = {name for name in program.output_values
                          if name in partition.grad_senders or name == partition.loss_value}
-            functions = capture_node_functions(program, fed, receiving)
+            functions = capture_node_functions(program, fed, receiving, inductor=self.inductor, log=self._log)
             excess = self._bytes_beyond_price(program, functions, fed)
             if excess > 0:  # the schedule's budget would not hold: autograd saves what the trace priced
                 raise NodeCaptureError(f"{program.name!r}: its forward function holds {excess} bytes more than "

@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 from device_agent.executor.aten_calls import compile_graph
 from device_agent.executor.errors import ExecutorError
+from device_agent.executor.inductor import InductorFunction
 from device_agent.executor.partition import NodeProgram
 from device_agent.executor.split import draws_random
 
@@ -58,10 +59,20 @@ class NodeFunctions:
     # device_agent.executor.aten_calls): what the step runs; the GraphModules stay the exportable record
     call_forward: Callable = field(init=False, repr=False, compare=False)
     call_backward: Callable | None = field(init=False, repr=False, compare=False)
+    # inductor: both functions run inductor's fused kernels instead, compiled at their first call (``poet train
+    # --compile``, not bitwise eager: see device_agent.executor.inductor); ``log`` hears of a graph it cannot compile
+    inductor: bool = field(default=False, compare=False)
+    name: str = field(default="node", compare=False)
+    log: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "call_forward", compile_graph(self.forward, "node_forward"))
+        forward = compile_graph(self.forward, "node_forward")
         backward = compile_graph(self.backward, "node_backward") if self.backward is not None else None
+        if self.inductor:
+            forward = InductorFunction(self.forward, forward, f"{self.name!r}'s forward", self.log)
+            if backward is not None:
+                backward = InductorFunction(self.backward, backward, f"{self.name!r}'s backward", self.log)
+        object.__setattr__(self, "call_forward", forward)
         object.__setattr__(self, "call_backward", backward)
 
     @property
@@ -71,11 +82,14 @@ class NodeFunctions:
 
 
 def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
-                           receiving: Collection[str] | None = None) -> NodeFunctions:
+                           receiving: Collection[str] | None = None, *, inductor: bool = False,
+                           log: Callable[[str], None] | None = None) -> NodeFunctions:
     """Trace ``program`` on ``inputs`` (the tensors it is about to be fed) into forward and backward functions.
 
     ``receiving``: the outputs a gradient flows back into (a consumer's backward sends one, or the loss); the
-    others leave the backward as autograd leaves them, not as zero gradients (None: every output)."""
+    others leave the backward as autograd leaves them, not as zero gradients (None: every output).
+    ``inductor``: the functions run inductor's kernels (see NodeFunctions); ``log`` hears of a graph it cannot
+    compile."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import default_partition
 
@@ -159,7 +173,8 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
         strides = tuple(tuple(n.meta["val"].stride()) for n in placeholders)
     saved_buffers = _saved_running_statistics(forward, backward, output_count, len(buffers)) if backward else {}
     return NodeFunctions(forward, backward, params, buffers, constants, output_count, differentiable,
-                         saved_count if backward is not None else 0, strides, saved_buffers)
+                         saved_count if backward is not None else 0, strides, saved_buffers,
+                         inductor=inductor, name=program.name, log=log)
 
 
 def _saved_running_statistics(forward: GraphModule, backward: GraphModule, output_count: int,

@@ -74,7 +74,8 @@ def _train(args, console: Console) -> int:
     from host.run.train import train
 
     report = train(args.model, args.platform, args.ram_budget, steps=args.steps, plain=args.plain,
-                   events=args.events, cgroup=args.cgroup, log=console.log, progress=console.status,
+                   events=args.events, cgroup=args.cgroup, inductor=args.inductor, log=console.log,
+                   progress=console.status,
                    **_run_keywords(args))
     console.status.close()
     if args.json:
@@ -86,7 +87,9 @@ def _train(args, console: Console) -> int:
 
 def print_train(console: Console, report: TrainReport) -> None:
     measured = report.measured
-    console.print(f"model     {report.model}  ({report.mode}, {report.steps} steps{_micro(report)}, {report.optimizer})")
+    compiled = ", inductor kernels: not bitwise eager" if report.inductor else ""
+    console.print(f"model     {report.model}  ({report.mode}, {report.steps} steps{_micro(report)}, {report.optimizer}"
+                  f"{compiled})")
     if report.solve_status:
         console.print(f"solve     {status_text(report.solve_status, report.solve_gap)}")
     console.print(f"loss      {report.losses[0]:.6g} -> {report.losses[-1]:.6g}")
@@ -211,6 +214,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     train_parser.add_argument("--cgroup", metavar="DIR",
                               help="join this cgroup after tracing and solving, so its memory limit applies to "
                                    "training only (default: none)")
+    train_parser.add_argument("--compile", dest="inductor", action="store_true",
+                              help="run the node functions through inductor (torch.compile's compiler): fused "
+                                   "kernels, faster on coarse nodes (--granularity block), not bitwise equal to "
+                                   "eager; the first step compiles for seconds per distinct node (default: off)")
     train_parser.set_defaults(func=cmd_train, check=_budget_check(train_parser))
 
     verify_parser = sub.add_parser("verify", help="check scheduled training against plain PyTorch",

@@ -71,13 +71,15 @@ def local_energy_meter(profile=None):
 
 def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: str, lr: float | None, seed: int,
                     flash_dir: str, profile=None, events=None, progress: ProgressFn | None = None,
-                    return_freed_memory: bool = False, accumulate_steps: int = 1) -> RunResult:
+                    return_freed_memory: bool = False, accumulate_steps: int = 1, inductor: bool = False,
+                    log: Callable[[str], None] | None = None) -> RunResult:
     """``steps`` steps of ``bundle``'s model under ``schedule`` (``bundle.module`` must be the traced one).
 
     A step is ``accumulate_steps`` micro-batches (each the bundle's batch, run under the schedule, which is
     solved per micro-batch) and one optimizer step; its loss is their mean, its time and energy their sum.
     Page files live in a private directory under ``flash_dir``; the executor removes it on the way out,
-    also when a step raises (Ctrl-C, SIGTERM).
+    also when a step raises (Ctrl-C, SIGTERM). ``inductor``: node functions run inductor's kernels (not bitwise
+    eager); ``log`` hears of nodes that run otherwise (under autograd, or uncompiled).
     """
     import torch
 
@@ -90,7 +92,8 @@ def train_scheduled(partition, schedule, bundle, *, steps: int, optimizer_name: 
     # Asked for per-instruction events (--events): every instruction gets its CPU time and energy, at two meter
     # readings each; otherwise only page transfers do (calibration needs no more).
     with ScheduleExecutor(partition, schedule, flash_dir=flash_dir, events=events, energy_meter=meter,
-                          return_freed_memory=return_freed_memory, instrumented=events is not None) as executor:
+                          return_freed_memory=return_freed_memory, instrumented=events is not None,
+                          inductor=inductor, log=log) as executor:
         for step in range(steps):
             losses, step_s, energy_j = [], 0.0, 0.0
             for micro_batch in range(accumulate_steps):

@@ -197,13 +197,14 @@ class TrainReport:
     predicted: Predicted | None = None
     planned: dict[str, int] | None = None
     executed: dict[str, int] | None = None
+    inductor: bool = False  # node functions ran inductor's kernels (--compile): not bitwise eager
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _train_report(prepared: Prepared, run: RunResult, *, plain: bool, steps: int, optimizer: str,
-                  events_file: str | None, accumulate_steps: int = 1) -> TrainReport:
+                  events_file: str | None, accumulate_steps: int = 1, inductor: bool = False) -> TrainReport:
     schedule = prepared.schedule
     profile = prepared.profile
     report = TrainReport(
@@ -219,6 +220,7 @@ def _train_report(prepared: Prepared, run: RunResult, *, plain: bool, steps: int
             rss_peak_bytes=run.rss_peak_bytes,
         ),
         events_file=events_file if not plain else None,
+        inductor=inductor,
     )
     if schedule is not None and not plain:
         prediction = schedule.prediction
@@ -313,6 +315,7 @@ def train(
     allocator: str | None = None,
     events: str | os.PathLike | None = None,
     cgroup: str | None = None,
+    inductor: bool = False,
     log: Log | None = None,
     progress: Callable[[Any], None] | None = None,
 ) -> TrainReport:
@@ -328,8 +331,14 @@ def train(
     - ``events``: write one JSON line per executed instruction and a summary per step to this file.
     - ``cgroup``: join this cgroup directory after tracing and solving, so its memory limit applies to
       training only (the allocator then defaults to ``return``).
+    - ``inductor``: run the node functions through inductor (``poet train --compile``): fused kernels, faster
+      on coarse nodes (``granularity="block"``), not bitwise equal to eager; the schedule still changes nothing
+      the compiled step computes. Compiling takes seconds per distinct node on the first step.
     """
     log = log or _silent
+    if inductor and plain:
+        raise InputError("--compile runs POET's node functions through inductor; plain training has none "
+                         "(for compiled plain training, wrap the model in torch.compile)")
     steps = values.checked("steps", values.count, steps)
     accumulate_steps = values.checked("accumulate_steps", values.count, accumulate_steps)
     _check_training_keywords(optimizer, lr)
@@ -368,13 +377,13 @@ def train(
                                   optimizer_name=optimizer, lr=lr, seed=seed, flash_dir=os.fspath(flash_dir),
                                   profile=prepared.profile, events=stream, progress=progress,
                                   return_freed_memory=allocator_mode(allocator, cgroup) == "return",
-                                  accumulate_steps=accumulate_steps)
+                                  accumulate_steps=accumulate_steps, inductor=inductor, log=log)
     finally:
         if writer is not None:
             writer.close()
     return _train_report(prepared, run, plain=plain, steps=steps, optimizer=optimizer,
                          events_file=os.fspath(events) if events is not None else None,
-                         accumulate_steps=accumulate_steps)
+                         accumulate_steps=accumulate_steps, inductor=inductor)
 
 
 def _check_training_keywords(optimizer: str, lr: float | None) -> None:

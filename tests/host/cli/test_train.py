@@ -159,3 +159,28 @@ def test_allocator_defaults_keep_freed_memory_and_return_under_a_cgroup():
     assert allocator_mode(None, None) == "keep"
     assert allocator_mode(None, "/sys/fs/cgroup/poet") == "return"
     assert allocator_mode("default", None) == "default"
+
+
+@pytest.mark.slow  # inductor compiles mlp's nodes in two processes
+def test_train_compile_runs_inductor_kernels_under_the_schedule(tmp_path):
+    """The real `poet` script: --compile trains under the schedule with inductor's kernels, says so, and executes
+    exactly the planned instructions."""
+    from tests.host.cli.helpers import poet
+
+    out = poet("train", "--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--batch-size", "4",
+               "--granularity", "block", "--compile", "--steps", "2", "--flash-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    report = one_json_object(out.stdout)
+    assert report["inductor"] is True and report["mode"] == "schedule"
+    assert report["planned"] == report["executed"]
+    assert "runs uncompiled" not in out.stderr and "under autograd" not in out.stderr
+    human = poet("train", "--model", "mlp", "--platform", "a72", "--ram-budget", "80%", "--batch-size", "4",
+                 "--compile", "--steps", "1", "--flash-dir", str(tmp_path))
+    assert human.returncode == 0, human.stderr
+    assert "inductor kernels: not bitwise eager" in human.stdout
+
+
+def test_train_compile_with_plain_is_refused(capfd):
+    code, _out, err = run_main(capfd, "train", "--model", "mlp", "--ram-budget", "80%", "--plain", "--compile")
+    assert code != 0
+    assert "--compile" in err and "torch.compile" in err
