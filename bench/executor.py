@@ -18,6 +18,12 @@
 
     python bench/executor.py [--models resnet18_cifar,hf_bert,mlp] [--budgets 50%,30%] [--part 1|2] [--json]
 
+``--compile`` adds POET with its node functions through inductor (``poet train --compile``; fused kernels,
+not bitwise eager): in part 2 a ``POET --compile`` row per budget, its schedule solved on a coarser trace
+(``--compile-granularity``, default ``auto``: per budget, the coarsest block depth that leaves the solver
+room), and in part 1 a second interleaved round per granularity with POET --compile's keep-all, POET
+uncompiled and ``torch.compile`` of the whole model, each as a ratio to plain.
+
 Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's
 default, and glibc keeping freed memory for reuse (``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_``, what ``poet train`` sets by default), which separates the executor's own
@@ -686,16 +692,16 @@ def _share_text(share: float) -> str:
 
 
 def _method_specs(model: str, batch_size: int, shares: list[float], schedules: dict[float, str],
-                  compiled: dict[float, str], compile_granularity: tuple[str, int]) -> list[tuple]:
+                  compiled: dict[float, str], compiled_granularity: dict[float, tuple[str, int]]) -> list[tuple]:
     """(label, config, share or None) of every method; POET (and POET --compile) and torch.compile once per share."""
     from host.graph.zoo import get_model_spec
 
     flat, _ = _pieces(get_model_spec(model).build())
     specs = [("plain", {"method": "plain"}, None)]
     specs += [("POET", {"method": "poet", "schedule": schedules[s]}, s) for s in shares if s in schedules]
-    granularity, depth = compile_granularity
-    specs += [(COMPILED_POET, {"method": "poet", "schedule": compiled[s], "granularity": granularity,
-                               "block_depth": depth, "inductor": True}, s) for s in shares if s in compiled]
+    specs += [(COMPILED_POET, {"method": "poet", "schedule": compiled[s], "granularity": compiled_granularity[s][0],
+                               "block_depth": compiled_granularity[s][1], "inductor": True}, s)
+              for s in shares if s in compiled]
     specs += [(f"checkpoint_sequential({k})", {"method": "sequential", "segments": k}, None)
               for k in CHECKPOINT_SEGMENTS if k < len(flat)]
     specs += [("per-block checkpoint", {"method": "per_block"}, None),
@@ -720,16 +726,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
     priced = price_graph(resolved.graph, profile)
     peak = no_remat_peak_bytes(priced)
     workdir = tempfile.mkdtemp(prefix="poet-bench-")
-    infos, schedules, compiled = {}, {}, {}
-    compiled_priced = None
-    if args.compile:  # POET --compile runs coarser nodes (inductor fuses within a node): its own trace and solve
-        from host.graph.trace import trace_model
-        from host.graph.zoo import get_model_spec
-
-        granularity, depth = args.compile_granularity
-        compiled_traced = trace_model(get_model_spec(model).bundle(batch_size, seed=0), granularity=granularity,
-                                      block_depth=depth)
-        compiled_priced = price_graph(compiled_traced.graph, profile)
+    infos, schedules, compiled, compiled_granularity = {}, {}, {}, {}
 
     def solve(graph, share: float, label: str, paths: dict, name: str) -> dict:
         print(f"[{model}] solving {label} at {_share_text(share)} of the no-remat peak", file=log, flush=True)
@@ -749,8 +746,11 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
         info = {"model": model, "batch_size": batch_size, "budget_share": share, "no_remat_peak_bytes": peak,
                 "budget_bytes": share * peak, "calibrated": args.calibrate,
                 **solve(priced, share, "POET", schedules, "schedule")}
-        if compiled_priced is not None:
-            info["compiled"] = {"granularity": _granularity_text(args.compile_granularity),
+        if args.compile:  # POET --compile runs coarser nodes (inductor fuses within a node): its own trace and solve
+            granularity, compiled_priced = _compile_graph(model, batch_size, profile, args.compile_granularity,
+                                                          share * peak)
+            compiled_granularity[share] = granularity
+            info["compiled"] = {"granularity": _granularity_text(granularity),
                                 **solve(compiled_priced, share, COMPILED_POET, compiled, "compiled")}
         infos[share] = info
     common = {
@@ -759,7 +759,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
         "compute_power_w": measured_profile.compute_power_w,  # profiled with args.threads threads
         "memory_power_w": measured_profile.memory_power_w, "flash_dir": args.flash_dir,
     }
-    specs = _method_specs(model, batch_size, shares, schedules, compiled, args.compile_granularity)
+    specs = _method_specs(model, batch_size, shares, schedules, compiled, compiled_granularity)
     print(f"[{model}] timing {len(specs)} methods interleaved", file=log, flush=True)
     timed = _spawn({**common, "methods": [config for _, config, _ in specs]}, "--run-timed",
                    allocator="glibc keeps freed memory")
@@ -794,6 +794,29 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
 
 # POET with its node functions through inductor, solved at --compile-granularity
 COMPILED_POET = "POET --compile"
+
+# --compile-granularity auto: the coarsest block depth whose hard floor (the largest node's inputs and output)
+# is at most this share of the budget, leaving the solver room to schedule
+AUTO_FLOOR_SHARE = 0.8
+AUTO_MAX_DEPTH = 8
+
+
+def _compile_graph(model: str, batch_size: int, profile, granularity, budget_bytes: float):
+    """(granularity, priced graph) of POET --compile's trace: as asked, or with ``auto`` the coarsest block depth
+    that leaves room under the budget (else layer)."""
+    from host.costs import price_graph
+    from host.graph.trace import trace_model
+    from host.graph.zoo import get_model_spec
+    from host.solver.solve import minimum_ram_bytes
+
+    bundle = get_model_spec(model).bundle(batch_size, seed=0)
+    candidates = [("block", depth) for depth in range(1, AUTO_MAX_DEPTH + 1)] + [("layer", 1)]
+    for kind, depth in candidates if granularity == "auto" else [granularity]:
+        priced = price_graph(trace_model(bundle, granularity=kind, block_depth=depth).graph, profile)
+        if granularity != "auto" or kind == "layer" or minimum_ram_bytes(priced) <= AUTO_FLOOR_SHARE * budget_bytes:
+            return (kind, depth), priced
+    raise AssertionError("unreachable: layer granularity is the last candidate")
+
 
 # Every method row has these (None where they do not apply or the method could not run).
 METHOD_FIELDS = ("s_per_step", "j_per_step", "energy_source", "peak_rss_bytes", "tracked_bytes", "tracked_source",
@@ -851,14 +874,16 @@ def _parse_budgets(text: str) -> list[float]:
     return shares
 
 
-def _parse_granularity(text: str) -> tuple[str, int]:
-    """``layer`` or ``block:N`` (N blocks' depth: 1 is the coarsest) as (granularity, block depth)."""
+def _parse_granularity(text: str) -> tuple[str, int] | str:
+    """``auto``, ``layer`` or ``block:N`` (module-tree depth of a block: 1 is the coarsest) as (granularity, depth)."""
+    if text == "auto":
+        return text
     if text == "layer":
         return "layer", 1
     kind, _, depth = text.partition(":")
     if kind == "block" and depth.isdigit() and int(depth) >= 1:
         return "block", int(depth)
-    raise argparse.ArgumentTypeError(f"a granularity is 'layer' or 'block:N' with N >= 1, got {text!r}")
+    raise argparse.ArgumentTypeError(f"a granularity is 'auto', 'layer' or 'block:N' with N >= 1, got {text!r}")
 
 
 def _granularity_text(granularity: tuple[str, int]) -> str:
@@ -999,9 +1024,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help=f"part 2: also run '{COMPILED_POET}', POET with its node functions through inductor "
                              "(fused kernels, not bitwise eager), solved at --compile-granularity")
-    parser.add_argument("--compile-granularity", type=_parse_granularity, default=("block", 1),
-                        help="nodes of the --compile rows: layer or block:N (default block:1: inductor fuses within "
-                             "a node, and each compiled call costs about 20 us)")
+    parser.add_argument("--compile-granularity", type=_parse_granularity, default="auto",
+                        help="nodes of the --compile rows: layer, block:N, or auto (the default): per budget, the "
+                             f"coarsest block depth whose largest node's inputs and output take at most "
+                             f"{100 * AUTO_FLOOR_SHARE:.0f}%% of the budget (inductor fuses within a node, and each compiled "
+                             "call costs about 20 us)")
     parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)

@@ -9,13 +9,15 @@ first step; inductor's on-disk cache makes repeated graphs (a transformer's laye
 
 What stays exact: random ops keep eager's kernels and generator (``fallback_random``), so a recompute replays
 the forward's dropout mask as the uncompiled executor does, and the same compiled kernels run on the same
-tensors whatever the schedule: a schedule still changes nothing a compiled step computes. What does not:
+tensors whatever the schedule, lowered with deterministic algorithms (an embedding's backward without
+parallel atomic adds, whose order changed from run to run on two threads): a schedule still changes nothing
+a compiled step computes. What does not:
 fused kernels round differently from eager's, so parameters drift from plain PyTorch's by float rounding,
 and ``poet verify`` (bitwise against eager) runs without compiling.
 
 The compiled call costs about 20 us beyond its kernels, against a few us for the uncompiled function
 (aten_calls.py), so compiling pays on nodes with enough work to fuse: blocks rather than single layers.
-A graph inductor cannot compile (no C++ compiler on the board) runs uncompiled, and ``log`` says so once.
+A graph inductor cannot compile (no C++ compiler on the board) runs uncompiled, and ``log`` says so.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch._inductor.config as inductor_config
 from torch.fx import GraphModule
 
 __all__ = ["InductorFunction"]
@@ -78,6 +79,8 @@ class InductorFunction:
         return compiled(*args)
 
     def _compile(self, args: tuple) -> Callable:
+        import torch._inductor.config as inductor_config  # loaded only when a node is compiled
+
         rng = torch.get_rng_state()  # compiling draws nothing the step would see
         try:
             with torch.no_grad(), inductor_config.patch(INDUCTOR_CONFIG), _deterministic_lowering():
@@ -85,7 +88,8 @@ class InductorFunction:
                                                               dynamic_shapes="from_example_inputs")
             self.compiled = artifact
         except Exception as error:  # noqa: BLE001 - any compiler failure leaves the exact uncompiled function
-            self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            text = str(error).strip()
+            self.failure = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
             self.compiled = self.fallback
             if self.log is not None:
                 self.log(f"inductor could not compile {self.label} ({self.failure}); it runs uncompiled")
