@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """mlp (batch 64), a schedule that pages, 6 steps of telemetry."""
+    """mlp (batch 64), a schedule that pages, 11 steps of telemetry."""
     torch.manual_seed(0)
     bundle = get_model_spec("mlp").bundle(64, seed=0)
     traced = trace_model(bundle, granularity="layer")
@@ -29,7 +30,7 @@ def measured(tmp_path_factory):
     events = EventStream()
     flash = tmp_path_factory.mktemp("flash")
     with ScheduleExecutor(partition_from_traced(traced), schedule, flash_dir=str(flash), events=events) as executor:
-        for _ in range(6):
+        for _ in range(11):
             executor.train_step(bundle.inputs, bundle.labels)
     return traced.graph, events.instructions()
 
@@ -45,17 +46,27 @@ def _forward_seconds(profile, graph, events) -> tuple[float, float]:
     return predicted, measured
 
 
+def _median_forward_ratio(profile, graph, events) -> float:
+    """The median over steps of predicted / measured forward seconds: a step slowed by another process on a
+    shared machine moves one ratio, not the median."""
+    ratios = []
+    for step in sorted({e.step for e in events}):
+        predicted, actual = _forward_seconds(profile, graph, [e for e in events if e.step == step])
+        ratios.append(predicted / actual)
+    return statistics.median(ratios)
+
+
 def test_calibrated_rates_price_the_measured_forward(measured):
     graph, events = measured
     wrong = load_profile("m0")  # a Cortex-M0's rates: orders of magnitude off for this machine
-    # step 0 warms up; the solver's worker threads may still be busy right after the solve
-    fit_events = [e for e in events if 1 <= e.step < 4]
-    held_out = [e for e in events if e.step >= 4]
+    # step 0 warms up; fitted and held-out steps alternate, so a burst of load elsewhere hits both alike
+    fit_events = [e for e in events if e.step >= 1 and e.step % 2 == 1]
+    held_out = [e for e in events if e.step >= 2 and e.step % 2 == 0]
     calibrated = calibrate_profile(wrong, graph, fit_events)
-    predicted, actual = _forward_seconds(calibrated, graph, held_out)
-    before, _ = _forward_seconds(wrong, graph, held_out)
-    assert abs(predicted / actual - 1) < abs(before / actual - 1)
-    assert 0.2 < predicted / actual < 5  # a different step of the same model: same rates, some noise
+    ratio = _median_forward_ratio(calibrated, graph, held_out)
+    before = _median_forward_ratio(wrong, graph, held_out)
+    assert abs(ratio - 1) < abs(before - 1)
+    assert 0.2 < ratio < 5  # other steps of the same model: same rates, some noise
     assert "calibrated from executor telemetry" in calibrated.sources["compute.flops_per_s.matmul"]
     assert calibrated.path is None
 
