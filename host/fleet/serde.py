@@ -43,9 +43,6 @@ def facts_from_register(request) -> dict[str, Any]:
         value = getattr(request, field.name)
         if field.name == "protocol_version":
             facts[field.name] = int(value)
-        elif field.name == "datasets":
-            facts[field.name] = [{"name": d.name, "sample_shape": list(d.sample_shape), "samples": int(d.samples),
-                                  "classes": int(d.classes)} for d in value]
         elif field.is_repeated:
             facts[field.name] = list(value)
         else:
