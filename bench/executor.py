@@ -60,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": [], "autograd": []}
     # POET as a user gets it (node functions, later steps lowered to one program), and every node under autograd
     with ScheduleExecutor(partition_from_traced(traced), schedule) as executor, \
-            ScheduleExecutor(autograd_partition, schedule, node_functions=False) as autograd_executor:
+            ScheduleExecutor(autograd_partition, schedule, node_functions=False) as autograd_executor, \
+            ExitStack() as stack:
         runs = {
             "schedule": lambda: executor.train_step(scheduled.inputs, scheduled.labels, sgd_a),
             "autograd": lambda: autograd_executor.train_step(autograd.inputs, autograd.labels, sgd_d),
@@ -166,9 +168,9 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
                     times_s[name].append(time.perf_counter() - started)
         if compiled:  # POET --compile and torch.compile, each on its own copy of the model
             compiled_bundle, whole = spec.bundle(batch_size, seed=0), spec.bundle(batch_size, seed=0)
-            compiled_executor = ScheduleExecutor(
+            compiled_executor = stack.enter_context(ScheduleExecutor(
                 partition_from_traced(trace_model(compiled_bundle, granularity=granularity, block_depth=depth)),
-                schedule, inductor=True)
+                schedule, inductor=True))
             sgd_e, sgd_f = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
                             for b in (compiled_bundle, whole))
             whole_forward = torch.compile(whole.module)
@@ -189,7 +191,6 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
                     started = time.perf_counter()
                     run()
                     times_s.setdefault(f"{name}/compiled", []).append(time.perf_counter() - started)
-            compiled_executor.close()
         lowered = executor.train_step(scheduled.inputs, scheduled.labels, sgd_a).lowered
 
     def paired(name: str) -> list[float]:
@@ -209,7 +210,7 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
                             "torch_compile_ratio": against_plain("torch.compile")}
     return {
         **compiled_columns,
-        "granularity": granularity if granularity == "layer" else f"block:{depth}",
+        "granularity": _granularity_text((granularity, depth)),
         "nodes": traced.graph.size,
         "instructions": instructions,
         "plain_s": plain_s,
@@ -1022,13 +1023,14 @@ def main() -> None:
                              "executor's telemetry first")
     parser.add_argument("--no-paging", dest="paging", action="store_false", help="part 2: POET recomputes only")
     parser.add_argument("--compile", action="store_true",
-                        help=f"part 2: also run '{COMPILED_POET}', POET with its node functions through inductor "
-                             "(fused kernels, not bitwise eager), solved at --compile-granularity")
+                        help=f"also run '{COMPILED_POET}', POET with its node functions through inductor (fused "
+                             "kernels, not bitwise eager): part 2 solves it at --compile-granularity, part 1 times its "
+                             "keep-all and torch.compile against plain in a second round")
     parser.add_argument("--compile-granularity", type=_parse_granularity, default="auto",
                         help="nodes of the --compile rows: layer, block:N, or auto (the default): per budget, the "
                              f"coarsest block depth whose largest node's inputs and output take at most "
                              f"{100 * AUTO_FLOOR_SHARE:.0f}%% of the budget (inductor fuses within a node, and each compiled "
-                             "call costs about 20 us)")
+                             "call costs more than an uncompiled one)")
     parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)

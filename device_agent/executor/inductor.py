@@ -15,8 +15,8 @@ a compiled step computes. What does not:
 fused kernels round differently from eager's, so parameters drift from plain PyTorch's by float rounding,
 and ``poet verify`` (bitwise against eager) runs without compiling.
 
-The compiled call costs about 20 us beyond its kernels, against a few us for the uncompiled function
-(aten_calls.py), so compiling pays on nodes with enough work to fuse: blocks rather than single layers.
+A compiled call costs more than the uncompiled function (aten_calls.py), so compiling pays on nodes with
+enough work to fuse: blocks rather than single layers (`bench/executor.py --part 1 --compile`).
 A graph inductor cannot compile (no C++ compiler on the board) runs uncompiled, and ``log`` says so.
 """
 

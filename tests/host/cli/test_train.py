@@ -182,5 +182,5 @@ def test_train_compile_runs_inductor_kernels_under_the_schedule(tmp_path):
 
 def test_train_compile_with_plain_is_refused(capfd):
     code, _out, err = run_main(capfd, "train", "--model", "mlp", "--ram-budget", "80%", "--plain", "--compile")
-    assert code != 0
+    assert code == EXIT_USAGE
     assert "--compile" in err and "torch.compile" in err
