@@ -208,7 +208,8 @@ class Agent:
         try:
             credentials = channel_credentials(config.certs)
             board = self._facts or board_facts.collect_facts(
-                platform=config.platform, flash_dir=config.flash_dir, memory_limit_override=config.memory_limit_bytes)
+                platform=config.platform, flash_dir=config.flash_dir, memory_limit_override=config.memory_limit_bytes,
+                data_dir=config.data_dir)
         except Exception as exc:  # noqa: BLE001
             self.log(f"cannot start: {exc}")
             return EXIT_USAGE

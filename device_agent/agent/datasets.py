@@ -71,6 +71,8 @@ class DatasetSummary:
     samples: int
     heldout_shards: int
     heldout_samples: int
+    sample_shape: tuple[int, ...] = ()  # one sample's shape
+    classes: int = 0  # the largest training label + 1 (0 for an empty label set)
 
 
 def check_dataset_name(name: str) -> str:
@@ -209,7 +211,8 @@ class LocalDataset:
 
     def summary(self) -> DatasetSummary:
         return DatasetSummary(
-            self.name, len(self.shard_paths), len(self), len(self.heldout_paths), self.heldout_samples
+            self.name, len(self.shard_paths), len(self), len(self.heldout_paths), self.heldout_samples,
+            tuple(int(d) for d in self.x.shape[1:]), int(self.y.max()) + 1 if self.y.size else 0,
         )
 
     def order(self, seed: int, epoch: int) -> np.ndarray:

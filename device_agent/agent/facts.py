@@ -196,6 +196,8 @@ class BoardFacts:
     agent_version: str
     activation_arena_bytes: int = 0  # a microcontroller behind the serial bridge: its static activation arena
     board: str = ""  # the serial bridge: the microcontroller it drives
+    # the data dir's usable datasets (name, sample shape, samples, classes); None: not reported (nothing is checked)
+    datasets: tuple | None = None
 
     def register_request(self, fleet_pb2):
         """The RegisterRequest message (``fleet_pb2``: the generated module, passed to keep imports lazy)."""
@@ -206,6 +208,9 @@ class BoardFacts:
             flash_free_bytes=self.flash_free_bytes, cpu_count=self.cpu_count, torch_version=self.torch_version,
             meters=list(self.meters), runtime_rss_bytes=self.runtime_rss_bytes, agent_version=self.agent_version,
             activation_arena_bytes=self.activation_arena_bytes, board=self.board,
+            datasets=[fleet_pb2.DatasetFacts(name=d.name, item_shape=list(d.sample_shape), item_count=d.samples,
+                                             classes=d.classes) for d in self.datasets or ()],
+            datasets_reported=self.datasets is not None,
         )
 
 
@@ -230,8 +235,9 @@ def default_training_threads(environ=os.environ) -> int | None:
 
 
 def collect_facts(*, platform: str, flash_dir: str | os.PathLike, memory_limit_override: int | None = None,
-                  measure_rss: bool = True) -> BoardFacts:
-    """Everything RegisterRequest carries. ``measure_rss=False`` skips importing torch (the RSS is then 0)."""
+                  measure_rss: bool = True, data_dir: str | os.PathLike | None = None) -> BoardFacts:
+    """Everything RegisterRequest carries. ``measure_rss=False`` skips importing torch (the RSS is then 0).
+    ``data_dir``: report its usable datasets (a broken one is left out, as `poet-agent datasets list` flags it)."""
     import psutil
 
     memory = psutil.virtual_memory()
@@ -243,7 +249,19 @@ def collect_facts(*, platform: str, flash_dir: str | os.PathLike, memory_limit_o
         memory_limit=memory_limit(memory_limit_override), flash_capacity_bytes=int(disk.total),
         flash_free_bytes=int(disk.free), cpu_count=cpu_count(), torch_version=torch_version,
         meters=tuple(detect_meters()), runtime_rss_bytes=rss, agent_version=agent_version(),
+        datasets=None if data_dir is None else usable_datasets(data_dir),
     )
+
+
+def usable_datasets(data_dir: str | os.PathLike) -> tuple:
+    """The summaries of ``data_dir``'s datasets that load (none when the directory does not exist yet)."""
+    from device_agent.agent.datasets import DatasetError, DatasetSummary, list_datasets
+
+    try:
+        found = list_datasets(data_dir)
+    except DatasetError:
+        return ()
+    return tuple(summary for _, summary in found if isinstance(summary, DatasetSummary))
 
 
 def _torch_version() -> str:

@@ -20,6 +20,9 @@ MAX_FACT_BYTES = 1 << 50  # a byte count a board reports (RAM, flash, limits): 1
 MAX_CPU_COUNT = 4096
 MAX_FACT_CHARS = 256  # platform, torch and agent versions, board, each meter name
 MAX_METERS = 16
+MAX_DATASETS = 256  # datasets a board reports at Register
+MAX_SAMPLE_DIMS = 8  # dimensions of a dataset's sample shape
+MAX_SAMPLE_DIM = 1 << 31  # one dimension's size, a dataset's classes
 MAX_ERROR_CHARS = 4096  # a result's error line; longer ones are cut, saying how much was cut
 MAX_EVENTS_PER_RUN = 1 << 40  # a result's events_emitted
 # What one board may hold open at once (host/fleet/admission.py); over a limit: RESOURCE_EXHAUSTED

@@ -282,6 +282,7 @@ class Planner:
         else:
             try:
                 package = self.model_package(request)
+                check_datasets(request.dataset, boards, package.grouping)
                 for agent in boards:
                     plan, text = self.plan_board(agent, package.graph, request, optimizer, runtime_factor)
                     plans.append(plan)
@@ -309,6 +310,37 @@ class Planner:
         self.state.remember_spec(job_id, spec)
         self.state.notify_work()
         return [serde.run_info(run, spec) for run in runs]
+
+
+def check_datasets(dataset: str, boards: list, grouping) -> None:
+    """Refused (INVALID_ARGUMENT, nothing created) unless every board reported ``dataset`` with the model's sample
+    shape and no more classes than the model has. Boards that do not report their datasets (older agents) and the
+    synthetic dataset, which every board makes in the model's shape, are not checked."""
+    from device_agent.agent.datasets import SYNTHETIC_DATASET
+
+    if dataset == SYNTHETIC_DATASET:
+        return
+    sample_shape = [int(d) for d in grouping.batch_shape[1:]]
+    problems = []
+    for agent in boards:
+        if not agent.facts.get("datasets_reported"):
+            continue
+        held = {d["name"]: d for d in agent.facts.get("datasets") or []}
+        found = held.get(dataset)
+        if found is None:
+            names = ", ".join(sorted(held)) or "none"
+            problems.append(f"{agent.name} has no dataset {dataset!r} (it has: {names})")
+        elif list(found["item_shape"]) != sample_shape:
+            problems.append(f"{agent.name}'s {dataset!r} has samples of shape {tuple(found['item_shape'])}, but "
+                            f"the model takes {tuple(sample_shape)}")
+        elif grouping.num_classes and found["classes"] > grouping.num_classes:
+            problems.append(f"{agent.name}'s {dataset!r} has labels up to {found['classes'] - 1}, but the model "
+                            f"has {grouping.num_classes} classes")
+    if problems:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      "; ".join(problems) + ": pick a dataset made for this model, or put one in the boards' data "
+                      "dir (`poet-agent datasets list` shows what a board holds) and restart their agents so they "
+                      "report it")
 
 
 def auto_budget_bytes(facts: dict[str, Any], graph, optimizer: str = "sgd") -> int:

@@ -43,6 +43,9 @@ def facts_from_register(request) -> dict[str, Any]:
         value = getattr(request, field.name)
         if field.name == "protocol_version":
             facts[field.name] = int(value)
+        elif field.name == "datasets":
+            facts[field.name] = [{"name": d.name, "item_shape": list(d.item_shape), "item_count": int(d.item_count),
+                                  "classes": int(d.classes)} for d in value]
         elif field.is_repeated:
             facts[field.name] = list(value)
         else:

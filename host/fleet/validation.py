@@ -15,6 +15,7 @@ from typing import Any
 
 from host.fleet.limits import (
     MAX_CPU_COUNT,
+    MAX_DATASETS,
     MAX_ERROR_CHARS,
     MAX_EVENT_BYTES,
     MAX_EVENTS_PER_BATCH,
@@ -22,6 +23,8 @@ from host.fleet.limits import (
     MAX_FACT_BYTES,
     MAX_FACT_CHARS,
     MAX_METERS,
+    MAX_SAMPLE_DIM,
+    MAX_SAMPLE_DIMS,
     MAX_SEQ,
 )
 
@@ -57,7 +60,28 @@ def check_facts(facts: dict[str, Any]) -> dict[str, Any]:
         raise BoardInputError(f"{len(meters)} meters reported; at most {MAX_METERS}")
     for meter in meters:
         _check_text("a meter name", meter)
+    datasets = list(facts.get("datasets") or [])
+    if len(datasets) > MAX_DATASETS:
+        raise BoardInputError(f"{len(datasets)} datasets reported; at most {MAX_DATASETS}")
+    for dataset in datasets:
+        _check_dataset(dataset)
     return facts
+
+
+def _check_dataset(dataset: dict[str, Any]) -> None:
+    from device_agent.agent.datasets import DatasetError, check_dataset_name
+
+    try:
+        check_dataset_name(dataset["name"])
+    except DatasetError as error:
+        raise BoardInputError(f"a reported dataset: {error}") from None
+    shape = dataset["item_shape"]
+    if len(shape) > MAX_SAMPLE_DIMS or not all(0 < d < MAX_SAMPLE_DIM for d in shape):
+        raise BoardInputError(f"dataset {dataset['name']!r}: item shape {shape} needs at most {MAX_SAMPLE_DIMS} "
+                              f"dimensions, each in [1, {MAX_SAMPLE_DIM})")
+    if dataset["item_count"] > MAX_FACT_BYTES or dataset["classes"] >= MAX_SAMPLE_DIM:
+        raise BoardInputError(f"dataset {dataset['name']!r}: {dataset['item_count']} items or {dataset['classes']} "
+                              "classes is out of range")
 
 
 def check_result(result, *, steps: int, collect: str) -> None:

@@ -18,10 +18,11 @@ _SAMPLE_TOKENS = {"sample", "samples", "x", "y", "input", "inputs", "label", "la
 # The only raw-bytes fields: model archive chunks (host -> board) and collected safetensors weights.
 _BYTES_ALLOWED = {"poet.v1.ModelChunk.data", "poet.v1.WeightsRef.safetensors"}
 # The only repeated numeric fields: a loss per training step, node indices in the graph, FLOPs per graph
-# node and the shapes of a batch tensor and of its class indices (a handful of dimensions each).
+# node and the shapes of a batch tensor, of its class indices and of one item of a board's dataset (a handful of
+# dimensions each, at most 8 for a dataset's, checked at Register).
 _REPEATED_NUMBERS_ALLOWED = {"poet.v1.RunResult.loss_per_step", "poet.v1.ScheduleNode.deps",
                              "poet.v1.NodeGrouping.node_flops", "poet.v1.NodeGrouping.batch_shape",
-                             "poet.v1.NodeGrouping.class_index_shape"}
+                             "poet.v1.NodeGrouping.class_index_shape", "poet.v1.DatasetFacts.item_shape"}
 _NUMERIC = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_INT32,
             FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64,
             FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED32,

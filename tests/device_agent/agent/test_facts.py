@@ -159,3 +159,21 @@ def test_a_board_trains_on_all_but_one_core_unless_omp_num_threads_says_otherwis
 
     assert default_training_threads({}) == max(1, cpu_count() - 1)
     assert default_training_threads({"OMP_NUM_THREADS": "4"}) is None  # the operator's choice: torch reads it
+
+
+def test_register_reports_the_data_dirs_usable_datasets(tmp_path):
+    """A board tells the coordinator what it can train on (name, sample shape, samples, classes); a broken dataset
+    is left out, and a board started without a data dir reports nothing (so nothing is checked at submit)."""
+    pytest.importorskip("sklearn")
+    from device_agent._generated.poet.v1 import fleet_pb2
+    from device_agent.agent.demo_data import make_demo
+
+    made = make_demo(tmp_path, "digits")
+    (tmp_path / "broken").mkdir()  # no shards: `poet-agent datasets list` flags it
+    board = facts.collect_facts(platform="local", flash_dir=tmp_path, measure_rss=False, data_dir=tmp_path)
+    request = board.register_request(fleet_pb2)
+    assert request.datasets_reported
+    assert [(d.name, list(d.item_shape), d.item_count, d.classes) for d in request.datasets] == [
+        ("digits", [64], len(made), 10)]
+    silent = facts.collect_facts(platform="local", flash_dir=tmp_path, measure_rss=False)
+    assert not silent.register_request(fleet_pb2).datasets_reported

@@ -541,3 +541,47 @@ def test_calibration_and_validation_do_not_import_the_service():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "host.fleet.service" not in imported, name
+
+
+# ------------------------------------------------------------------------------------------ datasets
+DIGITS = fleet_pb2.DatasetFacts(name="digits", item_shape=[64], item_count=1437, classes=10)
+
+
+def _submit_model(cert_dir, port, model, agents, dataset="digits"):
+    request = fleet_pb2.SubmitRunRequest(model=model, dataset=dataset, steps=2, agents=list(agents),
+                                         kind=fleet_pb2.JOB_KIND_TRAIN, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
+                                         ram_budget=fleet_pb2.RamBudget(fraction_of_peak=1.0))
+    return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
+
+
+def test_a_dataset_a_board_lacks_or_of_the_wrong_shape_is_refused_at_submit(cert_dir, coordinator):
+    port = coordinator.port
+    register(cert_dir, port, "pi-1", datasets=[DIGITS], datasets_reported=True)
+    register(cert_dir, port, "pi-2", datasets_reported=True)  # a data dir without datasets
+    register(cert_dir, port, "pi-3")  # an agent that does not report its datasets: not checked
+    wrong_shape = refused(lambda: _submit_model(cert_dir, port, "resnet18_cifar", ["pi-1"]))
+    assert wrong_shape.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pi-1's 'digits' has samples of shape (64,), but the model takes (3, 32, 32)" in wrong_shape.details()
+    missing = refused(lambda: _submit_model(cert_dir, port, "mlp", ["pi-1", "pi-2"]))
+    assert "pi-2 has no dataset 'digits' (it has: none)" in missing.details()
+    assert "pi-1" not in missing.details()
+    assert coordinator.store.list_runs() == []  # all or nothing: pi-1's run was not created either
+    runs = _submit_model(cert_dir, port, "mlp", ["pi-1", "pi-3"])
+    assert sorted(r.agent for r in runs) == ["pi-1", "pi-3"]
+    more_classes = fleet_pb2.DatasetFacts(name="digits", item_shape=[64], item_count=100, classes=12)
+    register(cert_dir, port, "pi-2", datasets=[more_classes], datasets_reported=True)
+    labels = refused(lambda: _submit_model(cert_dir, port, "mlp", ["pi-2"]))
+    assert "labels up to 11, but the model has 10 classes" in labels.details()
+
+
+@pytest.mark.parametrize("dataset,message", [
+    (fleet_pb2.DatasetFacts(name="../etc", item_shape=[64], item_count=1, classes=2), r"invalid dataset name"),
+    (fleet_pb2.DatasetFacts(name="d", item_shape=[64, 0], item_count=1, classes=2), r"item shape \[64, 0\]"),
+    (fleet_pb2.DatasetFacts(name="d", item_shape=[2] * 9, item_count=1, classes=2), r"at most 8 dimensions"),
+])
+def test_malformed_dataset_facts_are_refused_at_register(cert_dir, coordinator, dataset, message):
+    stub = node(cert_dir, "pi-1", coordinator.port)
+    error = refused(lambda: stub.Register(facts(datasets=[dataset], datasets_reported=True), timeout=TIMEOUT_S))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.details()), error.details()
+    assert coordinator.store.list_agents() == []
