@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         DEFAULT_STATE_DIR,
         MAX_MESSAGE_BYTES,
         MAX_WORKERS,
+        OPERATOR_RESERVED_WORKERS,
         SOLVE_TIME_LIMIT_S,
         STOP_GRACE_S,
     )
@@ -85,11 +86,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--solve-time-limit", type=seconds, default=SOLVE_TIME_LIMIT_S, metavar="S",
                        help=f"seconds per distinct schedule; at the limit the best schedule found is used, reported "
                             f"with its proven gap (default {SOLVE_TIME_LIMIT_S:g})")
-    serve.add_argument("--max-workers", type=positive_int, default=MAX_WORKERS, metavar="N",
-                       help=f"server threads; each board holds about two (its long poll and its telemetry "
-                            f"stream), so serve N/2 boards at once (default {MAX_WORKERS})")
+    serve.add_argument("--max-workers", type=_server_workers, default=MAX_WORKERS, metavar="N",
+                       help=f"server threads, > {OPERATOR_RESERVED_WORKERS}; boards together hold at most N - "
+                            f"{OPERATOR_RESERVED_WORKERS} (the rest are kept for operators and health checks), about "
+                            f"two each (a long poll and a telemetry stream), so N = 2 x boards + "
+                            f"{OPERATOR_RESERVED_WORKERS} serves every board at once; more boards retry (default "
+                            f"{MAX_WORKERS})")
     serve.add_argument("--no-refine", action="store_true",
                        help="do not refine calibrated boards' profiles from their TRAIN and VERIFY runs (by default "
                             "each such run's telemetry refits the board's profile, stored as a new version when it "
                             "predicts better)")
     serve.set_defaults(func=cmd_serve)
+
+
+def _server_workers(text: str) -> int:
+    from host.fleet.admission import board_calls_for
+
+    count = positive_int(text)
+    try:
+        board_calls_for(count)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return count

@@ -29,6 +29,9 @@ MAX_EVENTS_PER_RUN = 1 << 40  # a result's events_emitted
 MAX_CALLS_PER_NODE = 8  # all its calls together: one board holds at most an eighth of MAX_WORKERS
 MAX_STREAMS_PER_NODE = 2  # telemetry streams
 MAX_DOWNLOADS_PER_NODE = 2  # model downloads
+# Server threads no board call may take, so the operator's calls and health checks always find one: all boards
+# together hold at most MAX_WORKERS - OPERATOR_RESERVED_WORKERS calls
+OPERATOR_RESERVED_WORKERS = 8
 DOWNLOAD_IDLE_S = 60.0  # a model download whose chunks nobody reads for this long is cancelled
 MAX_EVENTS_PER_BATCH = 5000  # telemetry events in one batch (agents send up to 500)
 MAX_EVENT_BYTES = 16 * 1024  # one telemetry event, serialized

@@ -1,8 +1,11 @@
 """Start the coordinator: a gRPC server with mutual TLS (always), the fleet services and grpc.health.v1.
 
 The thread pool has :data:`MAX_WORKERS` threads: each PullJob long poll (up to 30 s) and each open
-telemetry stream holds one for its whole duration, so the pool bounds how many boards can be
-connected at once (about 64 / 2 with one poll and one stream per board); raise it with ``max_workers``.
+telemetry stream holds one for its whole duration. Boards together never hold more than the pool
+minus OPERATOR_RESERVED_WORKERS (host/fleet/admission.py), so the operator's calls and health checks
+are answered however many boards connect; boards over the limit are refused RESOURCE_EXHAUSTED and
+retry. The pool bounds how many boards are served at once (about 56 / 2 with one poll and one stream
+per board); raise it with ``max_workers``.
 """
 
 from __future__ import annotations
@@ -67,14 +70,17 @@ def start_coordinator(listen: str, certs_dir: str | Path, *, store_url: str | No
     """Open the store, bind ``listen`` (port 0: a free port) with mutual TLS, start serving; health SERVING."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from host.fleet.admission import board_calls_for
+
     host, _ = split_listen(listen)
+    board_calls = board_calls_for(max_workers)  # ValueError before anything is opened
     state = Path(state_dir)
     state.mkdir(parents=True, exist_ok=True)
     credentials = server_credentials(Path(certs_dir) / "coordinator" if (Path(certs_dir) / "coordinator").is_dir()
                                      else certs_dir)
     store = RunStore(store_url or sqlite_url(state))
     try:
-        coordinator = service.Coordinator(store, state, **coordinator_options)
+        coordinator = service.Coordinator(store, state, board_calls=board_calls, **coordinator_options)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poet-rpc"),
                              options=SERVER_OPTIONS)
         service.add_services(server, coordinator)

@@ -75,9 +75,11 @@ class Coordinator:
     def __init__(self, store: RunStore, state_dir: str | Path, *, packager: Callable[..., Any] | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None,
-                 refine_profiles: bool = True, download_idle_s: float = DOWNLOAD_IDLE_S):
+                 refine_profiles: bool = True, download_idle_s: float = DOWNLOAD_IDLE_S,
+                 board_calls: int | None = None):
         self.state = FleetState(store, state_dir, heartbeat_interval_s=heartbeat_interval_s,
-                                heartbeat_timeout_s=heartbeat_timeout_s, download_idle_s=download_idle_s)
+                                heartbeat_timeout_s=heartbeat_timeout_s, download_idle_s=download_idle_s,
+                                board_calls=board_calls)
         self.auth = Authorizer(store)
         self.jobs = Jobs(self.state)
         self.planning = Planner(self.state, packager=packager, solve_time_limit_s=solve_time_limit_s,

@@ -26,7 +26,8 @@ class FleetState:
     """The store, the state dir and what the roles keep in memory between calls."""
 
     def __init__(self, store: RunStore, state_dir: str | Path, *, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, download_idle_s: float = DOWNLOAD_IDLE_S):
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, download_idle_s: float = DOWNLOAD_IDLE_S,
+                 board_calls: int | None = None):
         self.store = store
         self.state_dir = Path(state_dir)
         self.models_dir = self.state_dir / MODELS_DIR
@@ -37,7 +38,7 @@ class FleetState:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.download_idle_s = download_idle_s
-        self.slots = CallSlots()  # each board's open calls (host/fleet/admission.py)
+        self.slots = CallSlots(board_calls=board_calls)  # boards' open calls (host/fleet/admission.py)
         self.work = threading.Condition()  # notified whenever work may have appeared
         self.generation = 0  # bumped with each notification
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)

@@ -113,6 +113,17 @@ def test_serve_prints_one_listening_line_and_stops_cleanly_on_sigterm(cert_dir, 
     assert len(missing.stderr.strip().splitlines()) == 1
 
 
+def test_serve_refuses_too_few_threads_to_keep_some_for_the_operator(cert_dir, tmp_path):
+    from host.fleet.limits import OPERATOR_RESERVED_WORKERS
+
+    run = subprocess.run([str(POET), "serve", "--listen", "127.0.0.1:0", "--certs", str(cert_dir), "--state-dir",
+                          str(tmp_path / "state"), "--max-workers", str(OPERATOR_RESERVED_WORKERS)],
+                         capture_output=True, text=True, env=test_env(), timeout=TIMEOUT_S)
+    assert run.returncode == 2, run.stderr
+    assert f"--max-workers: the server needs more than {OPERATOR_RESERVED_WORKERS} threads" in run.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything was created
+
+
 def test_operator_commands_name_both_settings_when_they_are_missing(cert_dir, tmp_path):
     env = {k: v for k, v in test_env().items() if k not in ("POET_COORDINATOR", "POET_CERTS")}
     run = subprocess.run([str(POET), "fleet", "list"], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
