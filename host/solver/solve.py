@@ -261,12 +261,9 @@ def _building_deadline(deadline: Deadline) -> Deadline:
     return Deadline(max(0.0, deadline.at - now) * (1 - _TEARDOWN_SHARE), now)
 
 
-# The MILP runs only with the time its uninterruptible part needs, and at least _RETRY_MIN_S more (so does a
-# retry). HiGHS 1.16 cannot be stopped while the model loads nor until its root node's analytic-centre
-# interior-point solve ends (200 iterations, no time limit): measured on MobileNetV2 at 410 nodes (2.7M
-# nonzeros) on a loaded 2-core machine, 1.3-2.9 s to load and 78 s to the first stop, whatever the limit.
-_UNINTERRUPTIBLE_S_PER_NONZERO = 3e-5
-_RETRY_MIN_S = 1.0
+# The MILP starts (and is retried) only with at least this many seconds left: a worker process to start and the
+# model to load before HiGHS can find anything. It can be stopped anywhere (host/solver/backends/highs.py).
+_MILP_MIN_S = 2.0
 
 
 def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: float, start, started: float,
@@ -281,15 +278,12 @@ def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: fl
     # that reports one objective and returns other columns (HiGHS 1.16 can hand back the start
     # vector unchanged) is never trusted, and never called optimal.
     attempts = [(start, True)] + ([(None, True)] if start is not None else []) + [(None, False)]
-    # Loading the model and HiGHS's root node cannot be interrupted: start only with time for them.
-    nonzeros = formulation.problem.num_nonzeros
-    needed_s = _UNINTERRUPTIBLE_S_PER_NONZERO * nonzeros + _RETRY_MIN_S
     for number, (attempt_start, presolve) in enumerate(attempts):
-        if deadline.remaining_s() < needed_s:
+        if deadline.remaining_s() < _MILP_MIN_S:
             if number == 0:
                 raise DeadlineExpired("starting the MILP", (
-                    f"the MILP was not started: its {nonzeros:,} nonzeros need about {needed_s:.0f} s before the solver can "
-                    f"be stopped, {max(0.0, deadline.remaining_s()):.0f} s were left"))
+                    f"the MILP was not started: {max(0.0, deadline.remaining_s()):.1f} s were left, less than the "
+                    f"{_MILP_MIN_S:g} s it needs to start"))
             retries.append("no time was left to solve again")
             break
         _report_phase(progress, started, "solving")

@@ -1,8 +1,16 @@
-"""HiGHS through highspy: the default backend (in-process, warm start, live progress)."""
+"""HiGHS through highspy: the default backend (warm start, live progress), solving in a worker process
+(host/solver/backends/highs_worker.py) so that a deadline or Ctrl-C stops it at once, wherever HiGHS is."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import highspy
 import numpy as np
@@ -16,11 +24,17 @@ _PROGRESS_PERIOD_S = 0.5
 _EXTRA_OPTIONS: dict[str, object] = {}
 
 
-_WAIT_PERIOD_S = 0.1  # how often the waiting thread wakes up to notice Ctrl-C or the deadline
+_WAIT_PERIOD_S = 0.1  # how often the waiting side wakes up to notice Ctrl-C, the deadline or a message
+# After a cancel, HiGHS gets this long to stop and answer; then its process is killed and the last incumbent it
+# sent is the answer. HiGHS cannot be stopped everywhere: while it loads the model, presolves, or computes its root
+# node's analytic centre (an interior-point task it does not cancel, measured at 78 s on MobileNetV2 and over 100 s
+# on resnet50 on a loaded 2-core machine), so the solve runs in a process of its own, and the time limit holds.
+_KILL_GRACE_S = 1.0
 
 # HiGHS neither checks its time limit nor a cancel during symmetry detection and presolve: on a model
 # of 2.7M nonzeros (MobileNetV2, 410 nodes) they took about 3 s and 5 s on a loaded 2-core machine,
-# whatever the limit. Each is skipped when this estimate of its cost exceeds a quarter of the time left.
+# whatever the limit. Each is skipped when this estimate of its cost exceeds a quarter of the time left,
+# so that the solver reaches its search (and an incumbent) before the deadline.
 _SETUP_S_PER_NONZERO = 2e-6
 _SETUP_SHARE_OF_TIME_LEFT = 0.25
 
@@ -34,39 +48,6 @@ def _new_highs() -> highspy.Highs:
         return highspy.Highs()
 
 
-def _run(highs: highspy.Highs, deadline_at: float | None = None) -> bool:
-    """Run the solver in its own thread; Ctrl-C asks HiGHS to stop and keep its incumbent.
-
-    At ``deadline_at`` (time.perf_counter()) the solve is cancelled the same way, in case HiGHS has
-    not stopped at its own time limit. Returns True when the run was interrupted by the user. A Ctrl-C
-    can land anywhere here, even inside ``startSolve`` after the solver thread began, so the wait is on
-    the solver's own state, never on a thread handle this function may not have received.
-    """
-    highs.HandleUserInterrupt = True
-    interrupted = cancelled = False
-    try:
-        highs.startSolve()
-    except KeyboardInterrupt:
-        interrupted = True
-        highs.cancelSolve()
-    while True:
-        try:
-            done, _status = highs.wait(_WAIT_PERIOD_S)
-            if done:
-                break
-            if deadline_at is not None and not cancelled and time.perf_counter() >= deadline_at:
-                cancelled = True
-                highs.cancelSolve()
-        except KeyboardInterrupt:
-            interrupted = True
-            highs.cancelSolve()
-    if interrupted or cancelled:
-        # Workers of a cancelled MIP can outlive the run; without this, the process aborts at exit
-        # ("terminate called without an active exception").
-        highspy.Highs.resetGlobalScheduler(True)
-    return interrupted
-
-
 def solve_highs(
     problem: MilpProblem,
     *,
@@ -78,33 +59,159 @@ def solve_highs(
     presolve: bool = True,
     deadline_at: float | None = None,
 ) -> MilpResult:
-    """Solve with HiGHS; ``deadline_at`` (time.perf_counter()) bounds the whole call, model loading included."""
+    """Solve with HiGHS in a worker process; ``deadline_at`` (time.perf_counter()) bounds the whole call.
+
+    At the deadline the worker is asked to stop, and killed :data:`_KILL_GRACE_S` later if HiGHS has not
+    answered; a Ctrl-C (or SIGTERM turned into one) does the same and marks the result interrupted. Either way
+    the best schedule HiGHS had found is returned.
+    """
     started = time.perf_counter()
+    if deadline_at is not None:
+        time_left_s = deadline_at - started
+        if time_left_s <= 0:
+            return MilpResult("timeout", None, None, None, None, 0.0, "the time limit passed before the solver started")
+        time_limit_s = time_left_s if time_limit_s is None else min(time_limit_s, time_left_s)
+    request = {"problem": problem, "mip_gap": float(mip_gap), "threads": threads, "presolve": presolve,
+               "start": None if start is None else np.asarray(start, dtype=np.float64), "time_limit_s": time_limit_s,
+               "extra_options": dict(_EXTRA_OPTIONS)}
     try:
-        highs = _prepared_highs(problem, mip_gap=mip_gap, threads=threads, start=start, presolve=presolve)
+        worker = _Worker(request)
     except KeyboardInterrupt:  # before the solver started: no incumbent of its own (the caller has the start)
         return MilpResult("timeout", None, None, None, None, time.perf_counter() - started,
                           "interrupted before the solver started", interrupted=True)
-    if deadline_at is not None:
-        time_left_s = deadline_at - time.perf_counter()
-        if time_left_s <= 0:
-            return MilpResult("timeout", None, None, None, None, time.perf_counter() - started,
-                              "the time limit passed while the model was loaded into HiGHS")
-        time_limit_s = time_left_s if time_limit_s is None else min(time_limit_s, time_left_s)
-    if time_limit_s is not None:
-        highs.setOptionValue("time_limit", float(time_limit_s))
-        setup_s = _SETUP_S_PER_NONZERO * problem.num_nonzeros
-        if setup_s > _SETUP_SHARE_OF_TIME_LEFT * time_limit_s:
-            highs.setOptionValue("mip_detect_symmetry", False)
-        if 2 * setup_s > _SETUP_SHARE_OF_TIME_LEFT * time_limit_s:  # presolve costs about twice as much
-            highs.setOptionValue("presolve", "off")
-    if progress is not None:
-        _subscribe_progress(highs, progress, started)
-    interrupted = _run(highs, deadline_at)
-    return _result(highs, interrupted, time.perf_counter() - started)
+    return worker.wait(started, deadline_at, progress)
 
 
-def _prepared_highs(problem: MilpProblem, *, mip_gap, threads, start, presolve) -> highspy.Highs:
+def configure_time_limit(highs: highspy.Highs, problem: MilpProblem, time_limit_s: float | None) -> None:
+    """HiGHS's own time limit, and the setup it cannot interrupt skipped when it would eat the time."""
+    if time_limit_s is None:
+        return
+    highs.setOptionValue("time_limit", float(time_limit_s))
+    setup_s = _SETUP_S_PER_NONZERO * problem.num_nonzeros
+    if setup_s > _SETUP_SHARE_OF_TIME_LEFT * time_limit_s:
+        highs.setOptionValue("mip_detect_symmetry", False)
+    if 2 * setup_s > _SETUP_SHARE_OF_TIME_LEFT * time_limit_s:  # presolve costs about twice as much
+        highs.setOptionValue("presolve", "off")
+
+
+class _Worker:
+    """The worker process (host.solver.backends.highs_worker) and what it sent: progress, incumbents, result."""
+
+    def __init__(self, request: dict) -> None:
+        package_root = str(Path(__file__).resolve().parents[3])  # the directory holding the host package
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen([sys.executable, "-m", "host.solver.backends.highs_worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.incumbent: tuple | None = None  # (x, objective, bound, gap) of the best schedule sent
+        self.bound: float | None = None
+        self.result: dict | None = None
+        try:
+            send_frame(self.process.stdin.fileno(), request)
+        except BaseException:
+            self._kill()
+            raise
+
+    def wait(self, started: float, deadline_at: float | None, progress: ProgressCallback | None) -> MilpResult:
+        reader = threading.Thread(target=self._read, args=(started, progress), name="poet-highs-reader",
+                                  daemon=True)
+        reader.start()
+        user = killed = False
+        cancelled_at: float | None = None
+        while reader.is_alive():
+            try:
+                reader.join(_WAIT_PERIOD_S)
+                now = time.perf_counter()
+                if cancelled_at is None and deadline_at is not None and now >= deadline_at:
+                    cancelled_at = self._cancel(user=False)
+                if cancelled_at is not None and now >= cancelled_at + _KILL_GRACE_S and reader.is_alive():
+                    killed = True
+                    self._kill()
+            except KeyboardInterrupt:
+                user = True
+                if cancelled_at is None:
+                    cancelled_at = self._cancel(user=True)
+        reader.join()
+        code = self.process.wait()
+        solve_s = time.perf_counter() - started
+        if self.result is not None:
+            result = MilpResult(**{**self.result, "solve_s": solve_s})
+            if user and not result.interrupted:
+                result.interrupted, result.message = True, "interrupted"
+            return result
+        what = "interrupted" if user else "time limit reached"
+        if not (killed or user or cancelled_at is not None):
+            what = f"the HiGHS worker process ended with exit code {code} before answering (its error is above)"
+        if self.incumbent is not None:
+            x, objective, bound, gap = self.incumbent
+            status = "feasible" if (killed or user or cancelled_at is not None) else "error"
+            return MilpResult(status, x, objective, self.bound if self.bound is not None else bound, gap, solve_s,
+                              f"{what}: HiGHS was stopped", interrupted=user)
+        status = "timeout" if (killed or user or cancelled_at is not None) else "error"
+        message = "interrupted before any schedule was found" if user else (
+            "time limit reached with no solution" if status == "timeout" else what)
+        return MilpResult(status, None, None, self.bound, None, solve_s, message, interrupted=user)
+
+    def _read(self, started: float, progress: ProgressCallback | None) -> None:
+        fd = self.process.stdout.fileno()
+        while (message := receive_frame(fd)) is not None:
+            kind = message[0]
+            if kind == "incumbent":
+                self.incumbent = message[1:]
+                self.bound = message[3] if message[3] is not None else self.bound
+            elif kind == "progress":
+                _, incumbent_j, bound_j, gap = message
+                self.bound = bound_j if bound_j is not None else self.bound
+                if progress is not None:
+                    progress(SolverProgress(elapsed_s=time.perf_counter() - started, incumbent_j=incumbent_j,
+                                            bound_j=bound_j, gap=gap))
+            elif kind == "result":
+                self.result = message[1]
+
+    def _cancel(self, *, user: bool) -> float:
+        try:
+            send_frame(self.process.stdin.fileno(), ("cancel", user))
+        except OSError:  # the worker already ended
+            pass
+        return time.perf_counter()
+
+    def _kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+# Frames between the solver and its worker: 8 bytes of length, then a pickle (both ends are this package).
+_LENGTH = struct.Struct("<Q")
+
+
+def send_frame(fd: int, message: object) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_LENGTH.pack(len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def receive_frame(fd: int) -> object | None:
+    """The next message, or None at the end of the stream (a partial frame is an end too)."""
+    header = _read_exactly(fd, _LENGTH.size)
+    if header is None:
+        return None
+    payload = _read_exactly(fd, _LENGTH.unpack(header)[0])
+    return None if payload is None else pickle.loads(payload)  # noqa: S301 - written by this package's worker
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def prepared_highs(problem: MilpProblem, *, mip_gap, threads, start, presolve, extra_options=None) -> highspy.Highs:
     highs = _new_highs()
     highs.setOptionValue("output_flag", False)
     if not presolve:
@@ -112,7 +219,7 @@ def _prepared_highs(problem: MilpProblem, *, mip_gap, threads, start, presolve) 
     highs.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads is not None:
         highs.setOptionValue("threads", int(threads))
-    for option, value in _EXTRA_OPTIONS.items():
+    for option, value in (_EXTRA_OPTIONS if extra_options is None else extra_options).items():
         highs.setOptionValue(option, value)
 
     lp = highspy.HighsLp()
@@ -142,29 +249,7 @@ def _prepared_highs(problem: MilpProblem, *, mip_gap, threads, start, presolve) 
     return highs
 
 
-def _subscribe_progress(highs: highspy.Highs, progress: ProgressCallback, started: float) -> None:
-    last_report = [0.0]
-
-    def report(event) -> None:
-        now = time.perf_counter() - started
-        if now - last_report[0] < _PROGRESS_PERIOD_S:
-            return
-        last_report[0] = now
-        data = event.data_out
-        progress(
-            SolverProgress(
-                elapsed_s=now,
-                incumbent_j=_finite(data.mip_primal_bound),
-                bound_j=_finite(data.mip_dual_bound),
-                gap=_finite(data.mip_gap),
-            )
-        )
-
-    highs.cbMipInterrupt.subscribe(report)
-    highs.cbMipImprovingSolution.subscribe(report)
-
-
-def _result(highs: highspy.Highs, interrupted: bool, solve_s: float) -> MilpResult:
+def highs_result(highs: highspy.Highs, interrupted: bool, solve_s: float) -> MilpResult:
     status = highs.getModelStatus()
     info = highs.getInfo()
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
