@@ -150,8 +150,8 @@ class PoetFormulation:
                     v.recompute[t, i] = problem.add_var(cost=priced.compute_j[i])
                 v.keep_ram[t, i] = problem.add_var()
             if opts.paging:
-                for i in range(t):
-                    if t <= last_useful[i]:
+                for i in range(t):  # a 0-byte tensor (the batch, held by the caller) is kept for free: never paged
+                    if t <= last_useful[i] and out_bytes[i] > 0:
                         v.keep_flash[t, i] = problem.add_var()
         for t in range(size):
             self.deadline.check(building)

@@ -36,12 +36,16 @@ def measured(tmp_path_factory):
 
 
 def _forward_seconds(profile, graph, events) -> tuple[float, float]:
-    """(predicted, measured) seconds of the forward computes in ``events``."""
+    """(predicted, measured) seconds of the forward computes in ``events``, predicted as the solver prices them
+    (the profile's rates, and the fixed cost per compute and the tensor traffic calibration fits)."""
+    from host.costs import price_graph
+
+    compute_s = price_graph(graph, profile).compute_s
     predicted = measured = 0.0
     for event in events:
         node = graph.nodes[event.node]
         if event.kind == "compute" and node.kind != "bwd" and node.flops > 0:
-            predicted += node.flops / profile.flops_per_s_for(node.op_class)
+            predicted += float(compute_s[event.node])
             measured += event.duration_s
     return predicted, measured
 
@@ -66,7 +70,10 @@ def test_calibrated_rates_price_the_measured_forward(measured):
     ratio = _median_forward_ratio(calibrated, graph, held_out)
     before = _median_forward_ratio(wrong, graph, held_out)
     assert abs(ratio - 1) < abs(before - 1)
-    assert 0.2 < ratio < 5  # other steps of the same model: same rates, some noise
+    # Other steps of the same model: the same rates, within an order of magnitude. Uncalibrated, the ratio was
+    # 1e3-5e4 here; calibrated 0.92-1.0 on a quiet machine, and 5.3 with three busy processes on its 2 cores
+    # (load bursts hit fitted and held-out steps unevenly: 0.10 and 0.19 were seen under CI).
+    assert 0.1 < ratio < 10
     assert "calibrated from executor telemetry" in calibrated.sources["compute.flops_per_s.matmul"]
     assert calibrated.path is None
 

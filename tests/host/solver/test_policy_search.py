@@ -4,7 +4,7 @@ from host.solver.poet_milp import FormulationOptions, PoetFormulation
 from host.solver.policy_search import greedy_policy_plan, model_stage_peaks, plan_energy_j
 from host.solver.solve import evaluate_plan, minimum_ram_bytes, no_remat_peak_bytes
 
-from .graphs import price_simply, random_training_graph
+from .graphs import price_simply, random_training_graph, training_graph_from_forward
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -33,3 +33,17 @@ def test_greedy_respects_the_ablations():
     assert paging_only is not None
     assert paging_only.recompute.sum() == priced.graph.size  # each node computed exactly once
     assert paging_only.page_out.any()
+
+
+def test_the_formulation_never_pages_a_zero_byte_tensor():
+    """A 0-byte tensor (the batch, held by the caller) is kept for free: the model has no flash, page-in or page-out
+    column for it. An executor cannot page the batch (a fleet calibration run failed with "node 0 has no page on
+    flash" when a time-limited solve returned a schedule that paged it)."""
+    graph = training_graph_from_forward("batch-first", [[]] + [[i - 1] for i in range(1, 6)], [0] + [100] * 5,
+                                        [0] + [1000] * 5)
+    priced = price_simply(graph)
+    formulation = PoetFormulation(priced, FormulationOptions(0.5 * no_remat_peak_bytes(priced), None))
+    zero = {n.index for n in graph.nodes if n.output_bytes == 0}
+    assert 0 in zero
+    for family in (formulation.vars.keep_flash, formulation.vars.page_in, formulation.vars.page_out):
+        assert family and not [key for key in family if key[1] in zero]
