@@ -117,8 +117,8 @@ class _Worker:
         reader = threading.Thread(target=self._read, args=(started, progress), name="poet-highs-reader",
                                   daemon=True)
         reader.start()
-        user = killed = False
-        cancelled_at: float | None = None
+        user = False
+        cancelled_at: float | None = None  # when the worker was asked to stop (deadline or Ctrl-C)
         while reader.is_alive():
             try:
                 reader.join(_WAIT_PERIOD_S)
@@ -126,7 +126,6 @@ class _Worker:
                 if cancelled_at is None and deadline_at is not None and now >= deadline_at:
                     cancelled_at = self._cancel(user=False)
                 if cancelled_at is not None and now >= cancelled_at + _KILL_GRACE_S and reader.is_alive():
-                    killed = True
                     self._kill()
             except KeyboardInterrupt:
                 user = True
@@ -140,28 +139,28 @@ class _Worker:
             if user and not result.interrupted:
                 result.interrupted, result.message = True, "interrupted"
             return result
-        what = "interrupted" if user else "time limit reached"
-        if not (killed or user or cancelled_at is not None):
+        if cancelled_at is None:  # nobody stopped it: the worker died on its own
             what = f"the HiGHS worker process ended with exit code {code} before answering (its error is above)"
+            x, objective, _bound, gap = self.incumbent or (None, None, None, None)
+            return MilpResult("error", x, objective, self.bound, gap, solve_s, what)
         if self.incumbent is not None:
-            x, objective, bound, gap = self.incumbent
-            status = "feasible" if (killed or user or cancelled_at is not None) else "error"
-            return MilpResult(status, x, objective, self.bound if self.bound is not None else bound, gap, solve_s,
-                              f"{what}: HiGHS was stopped", interrupted=user)
-        status = "timeout" if (killed or user or cancelled_at is not None) else "error"
-        message = "interrupted before any schedule was found" if user else (
-            "time limit reached with no solution" if status == "timeout" else what)
-        return MilpResult(status, None, None, self.bound, None, solve_s, message, interrupted=user)
+            x, objective, _bound, gap = self.incumbent
+            what = "interrupted" if user else "time limit reached"
+            return MilpResult("feasible", x, objective, self.bound, gap, solve_s, f"{what}: HiGHS was stopped",
+                              interrupted=user)
+        message = "interrupted before any schedule was found" if user else "time limit reached with no solution"
+        return MilpResult("timeout", None, None, self.bound, None, solve_s, message, interrupted=user)
 
     def _read(self, started: float, progress: ProgressCallback | None) -> None:
         fd = self.process.stdout.fileno()
         while (message := receive_frame(fd)) is not None:
             kind = message[0]
-            if kind == "incumbent":
-                self.incumbent = message[1:]
-                self.bound = message[3] if message[3] is not None else self.bound
-            elif kind == "progress":
-                _, incumbent_j, bound_j, gap = message
+            if kind in ("incumbent", "progress"):  # an improving schedule is reported as progress too
+                if kind == "incumbent":
+                    self.incumbent = message[1:]
+                    incumbent_j, bound_j, gap = message[2:]
+                else:
+                    _, incumbent_j, bound_j, gap = message
                 self.bound = bound_j if bound_j is not None else self.bound
                 if progress is not None:
                     progress(SolverProgress(elapsed_s=time.perf_counter() - started, incumbent_j=incumbent_j,
