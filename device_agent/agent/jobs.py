@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from device_agent import protos
@@ -34,7 +35,7 @@ from device_agent.agent.datasets import SYNTHETIC_DATASET, Batch, DatasetError, 
 from device_agent.agent.program import load_module, load_program
 from device_agent.executor import ScheduleExecutor, make_optimizer, parameter_differences, plain_train_step
 from device_agent.executor.telemetry import EventStream
-from device_agent.fileio import atomic_write_bytes, atomic_write_text
+from device_agent.fileio import atomic_write_bytes
 from device_agent.meters.memory import RssSampler
 from device_agent.meters.registry import default_energy_meter
 from device_agent.profiling import profile_local_machine
@@ -47,7 +48,8 @@ __all__ = ["DEFAULT_CHECKPOINT_EVERY_STEPS", "JobCancelled", "JobError", "JobRun
 DEFAULT_CHECKPOINT_EVERY_STEPS = 10
 MAX_INLINE_WEIGHTS_BYTES = 6 * 1024 * 1024  # below the coordinator's 8 MiB message bound
 _CHECKPOINT_TENSORS = "checkpoint.safetensors"
-_CHECKPOINT_META = "checkpoint.json"
+_CHECKPOINT_META = "checkpoint.json"  # older releases: the metadata beside the tensors (read, never written)
+_CHECKPOINT_KEY = "poet_checkpoint"  # the safetensors header entry holding the checkpoint's metadata (JSON)
 _OPTIMIZERS = {fleet_pb2.OPTIMIZER_SGD: "sgd", fleet_pb2.OPTIMIZER_ADAMW: "adamw",
                fleet_pb2.OPTIMIZER_UNSPECIFIED: "sgd"}
 
@@ -96,24 +98,29 @@ class _Run:
                 else:
                     entries.append([index, key, value])
         tensors["rng/cpu"] = torch.get_rng_state()
-        # Tensors first, then the metadata naming the step: a crash between the two leaves the older
-        # metadata pointing at newer tensors only if both were written; the step recorded in the tensor
-        # file is checked against the metadata on load.
-        tensors["meta/step"] = torch.tensor([step], dtype=torch.int64)
-        atomic_write_bytes(self.dir / _CHECKPOINT_TENSORS, save(tensors))
-        atomic_write_text(self.dir / _CHECKPOINT_META, json.dumps({
-            **meta, "step": step, "data_index": data_index, "optimizer_entries": entries,
-            "param_groups": optimizer_state["param_groups"],
-        }))
+        # One file, written atomically: the step's metadata rides in the safetensors header, so a kill -9 at any
+        # moment leaves the previous checkpoint or this one, never a mix (two files written in turn could be
+        # caught between the writes, and the resume then started over from step 0).
+        record = {**meta, "step": step, "data_index": data_index, "optimizer_entries": entries,
+                  "param_groups": optimizer_state["param_groups"]}
+        atomic_write_bytes(self.dir / _CHECKPOINT_TENSORS, save(tensors, metadata={_CHECKPOINT_KEY: json.dumps(record)}))
+        (self.dir / _CHECKPOINT_META).unlink(missing_ok=True)  # a checkpoint an older release wrote in two files
 
     def load_checkpoint(self, module, optimizer) -> dict | None:
         meta_path, tensor_path = self.dir / _CHECKPOINT_META, self.dir / _CHECKPOINT_TENSORS
-        if not meta_path.is_file() or not tensor_path.is_file():
+        if not tensor_path.is_file():
             return None
-        meta = json.loads(meta_path.read_text())
+        with safe_open(str(tensor_path), "pt") as opened:
+            header = opened.metadata() or {}
         tensors = load_file(str(tensor_path))
-        if int(tensors["meta/step"][0]) != meta["step"]:
-            return None  # killed between the two writes: start over rather than mix two checkpoints
+        if _CHECKPOINT_KEY in header:
+            meta = json.loads(header[_CHECKPOINT_KEY])
+        elif meta_path.is_file():  # an older release's two files: usable when both name the same step
+            meta = json.loads(meta_path.read_text())
+            if int(tensors["meta/step"][0]) != meta["step"]:
+                return None
+        else:
+            return None
         module.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
         state: dict = {}
         for index, key, value in meta["optimizer_entries"]:

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load
 
 import poet_edge
@@ -132,3 +133,52 @@ def test_a_sequence_model_trains_on_synthetic_samples_with_a_label_per_token(tmp
     result = runner.run(_job(package, schedule, "bert", dataset=SYNTHETIC_DATASET, steps=2), package.path,
                         sink.for_run("bert"), threading.Event())
     assert result.status == fleet_pb2.RUN_STATUS_DONE and len(result.loss_per_step) == 2
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _sgd_model():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # momentum buffers exist
+    return module, optimizer
+
+
+def test_a_checkpoint_is_one_file_so_a_kill_at_any_moment_leaves_a_whole_one(tmp_path):
+    """The metadata rides in the safetensors header: there is no moment between two writes at which a kill -9 leaves
+    tensors and metadata of different steps (which made a restarted board start over from step 0)."""
+    from device_agent.agent.jobs import _Run
+
+    module, optimizer = _sgd_model()
+    run = _Run(tmp_path, "run-1")
+    run.save_checkpoint(module, optimizer, 10, 80, {"losses": [1.0, 0.5]})
+    assert sorted(p.name for p in run.dir.iterdir()) == ["checkpoint.safetensors"]
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    fresh = torch.nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    meta = run.load_checkpoint(fresh, fresh_optimizer)
+    assert (meta["step"], meta["data_index"], meta["losses"]) == (10, 80, [1.0, 0.5])
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    assert fresh_optimizer.state_dict()["state"][0]["momentum_buffer"].equal(
+        optimizer.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_an_older_two_file_checkpoint_still_resumes_and_a_mixed_pair_starts_over(tmp_path):
+    import json
+
+    from safetensors.torch import save
+
+    from device_agent.agent.jobs import _Run
+
+    module, optimizer = _sgd_model()
+    run = _Run(tmp_path, "run-1")
+    tensors = {f"model/{k}": v.contiguous() for k, v in module.state_dict().items()}
+    tensors["rng/cpu"] = torch.get_rng_state()
+    tensors["meta/step"] = torch.tensor([20], dtype=torch.int64)
+    (run.dir / "checkpoint.safetensors").write_bytes(save(tensors))
+    meta = {"step": 20, "data_index": 160, "optimizer_entries": [], "param_groups": optimizer.state_dict()["param_groups"]}
+    (run.dir / "checkpoint.json").write_text(json.dumps(meta))
+    assert run.load_checkpoint(torch.nn.Linear(3, 2), torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1))["step"] == 20
+    (run.dir / "checkpoint.json").write_text(json.dumps({**meta, "step": 30}))
+    assert run.load_checkpoint(module, optimizer) is None
