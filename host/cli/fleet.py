@@ -58,9 +58,10 @@ def cmd_fleet_remove(args, console: Console, op: OperatorClient) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Every fleet command group, in the order `poet --help` lists them."""
-    from host.cli import calibrate, profiles, run, runs, serve
+    from host.cli import calibrate, profiles, run, runs, serve, solver_worker
 
     serve.register(sub)
+    solver_worker.register(sub)
     _register_fleet(sub)
     for group in (run, runs, profiles, calibrate):
         group.register(sub)

@@ -78,6 +78,8 @@ def cmd_run(args, console: Console, op: OperatorClient) -> int:
     console.log(f"submitting {args.kind} of {args.model or 'a profile'} to "
                 f"{'every online board' if args.all else ', '.join(agents)} (the coordinator solves per board)")
     runs = op.submit(request, log=console.log)
+    if not args.detach:
+        runs = _wait_solved(op, runs, console)
     if args.wait:
         runs = _wait(op, runs, console)
     entries = [serde.run_info_to_json(r) for r in runs]
@@ -86,6 +88,26 @@ def cmd_run(args, console: Console, op: OperatorClient) -> int:
     else:
         _runs_table(console, entries)
     return EXIT_RUN_FAILED if any(e["status"] in (RunStatus.FAILED, RunStatus.DOES_NOT_FIT) for e in entries) else EXIT_OK
+
+
+def _wait_solved(op: OperatorClient, runs: list, console: Console) -> list:
+    """Poll the runs whose schedules are being solved until each has its schedule (or does not fit); progress on
+    stderr."""
+    from host.fleet.serde import RUN_STATUS_FROM_PB
+
+    latest = {r.run_id: r for r in runs}
+    started = time.monotonic()
+    while True:
+        solving = [r.run_id for r in latest.values() if RUN_STATUS_FROM_PB[r.status] == RunStatus.SOLVING]
+        if not solving:
+            if time.monotonic() - started > POLL_INTERVAL_S:
+                console.log(f"schedules solved in {time.monotonic() - started:.0f} s")
+            return [latest[r.run_id] for r in runs]
+        console.status.line(f"  solving schedules: {len(solving)} of {len(latest)} run(s) waiting, "
+                            f"{time.monotonic() - started:.0f} s (--detach returns without waiting)")
+        time.sleep(POLL_INTERVAL_S)
+        for run_id in solving:
+            latest[run_id] = op.call("GetRun", op.pb.GetRunRequest(run_id=run_id))
 
 
 def _wait(op: OperatorClient, runs: list, console: Console) -> list:
@@ -106,7 +128,9 @@ def _wait(op: OperatorClient, runs: list, console: Console) -> list:
                 loss = f", final loss {run.final_loss:.4f}" if run.HasField("final_loss") else ""
                 why = f": {run.error}" if run.error else ""
                 console.log(f"  {run.agent}: {status}{loss}, {run.events_stored} events received{why}")
-            if not status.finished:
+            if status == RunStatus.SOLVING:
+                parts.append(f"{run.agent} solving its schedule")
+            elif not status.finished:
                 loss = f" loss {run.last_loss:.4f}" if run.HasField("last_loss") else ""
                 parts.append(f"{run.agent} {status} step {run.steps_done}/{run.steps}{loss} events {run.events_stored}")
         if not parts:
@@ -145,10 +169,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run", help="train, verify or profile on boards of the fleet",
         description="Submit a run to boards: a module:callable model is traced here and its archive uploaded (the "
                     "coordinator never runs your code; a zoo model it traces itself); the coordinator gives each "
-                    "board its RAM budget, solves a schedule per board on that board's profile (its measured one, else its platform's, "
-                    f"else this machine's; {SOLVE_TIME_LIMIT_S:g} s limit per distinct schedule; identical boards "
-                    "share one solve) and queues one run per board. The data stays on the boards.",
-        epilog=f"Exit codes: 0 every run queued (or, with --wait, done); {EXIT_RUN_FAILED} a run failed or does not "
+                    "board its RAM budget, records one run per board and answers at once; its solver workers then solve a "
+                    "schedule per board on that board's profile (its measured one, else its platform's, else this "
+                    f"machine's; {SOLVE_TIME_LIMIT_S:g} s limit per distinct schedule; identical boards share one "
+                    "solve, and a case solved before is not solved again), and each run goes from solving to queued. "
+                    "This command waits for the schedules (not with --detach). The data stays on the boards.",
+        epilog=f"Exit codes: 0 every run queued (with --detach: recorded; with --wait: done); {EXIT_RUN_FAILED} a run failed or does not "
                f"fit its board (does_not_fit, with the minimum budget); 2 bad input, or the coordinator refused or "
                f"is unreachable; 130/143 interrupted (the runs go on). The coordinator and bundle come from "
                f"--coordinator/--certs or ${COORDINATOR_ENV}/${CERTS_ENV}.")
@@ -186,6 +212,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="show progress per board on stderr until every run is done, failed or does_not_fit, then "
                           "a table (budget, recomputes, page-ins/outs, predicted vs measured step time and peak RAM, "
                           "final loss, accuracy before and after)")
+    run.add_argument("--detach", action="store_true",
+                     help="return as soon as the coordinator has recorded the runs, while their schedules are still "
+                          "being solved (status solving; follow them with `poet runs list`)")
     operator_args(run)
     add_json_arg(run)
     run.set_defaults(func=cmd_run)

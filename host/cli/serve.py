@@ -11,6 +11,7 @@ from host.cli.common import (
     CliError,
     Console,
     directory_path,
+    int_at_least,
     positive_int,
     seconds,
 )
@@ -35,7 +36,7 @@ def cmd_serve(args, console: Console) -> int:
         try:
             running = start_coordinator(args.listen, args.certs, store_url=args.store, state_dir=args.state_dir,
                                         solve_time_limit_s=args.solve_time_limit, max_workers=args.max_workers,
-                                        refine_profiles=not args.no_refine)
+                                        refine_profiles=not args.no_refine, solver_workers=args.solver_workers)
         except (CertError, StoreError) as error:
             raise CliError(str(error)) from None
         except RuntimeError as error:  # grpc: the address cannot be bound
@@ -55,6 +56,7 @@ def cmd_serve(args, console: Console) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from host.fleet.limits import (
+        DEFAULT_SOLVER_WORKERS,
         DEFAULT_STATE_DIR,
         MAX_MESSAGE_BYTES,
         MAX_WORKERS,
@@ -96,6 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="do not refine calibrated boards' profiles from their TRAIN and VERIFY runs (by default "
                             "each such run's telemetry refits the board's profile, stored as a new version when it "
                             "predicts better)")
+    serve.add_argument("--solver-workers", type=int_at_least(0), default=DEFAULT_SOLVER_WORKERS, metavar="N",
+                       help="schedules solved at once in this process (each solve runs HiGHS in a process of its "
+                            "own, so N uses up to N cores); 0 leaves solving to `poet solver-worker` processes "
+                            f"sharing the store (default {DEFAULT_SOLVER_WORKERS})")
     serve.set_defaults(func=cmd_serve)
 
 

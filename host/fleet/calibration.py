@@ -149,7 +149,8 @@ def stored_runs(planner: Planner, run_ids: Iterable[str]) -> list:
 
     def schedule_for_run(record):
         spec = planner.state.spec(record.job_id)
-        return schedule_from_json(spec["schedules"][record.run_metrics.schedule_key], source=f"run {record.run_id}")
+        text = planner.state.schedule_json(spec, record.run_metrics.schedule_key)
+        return schedule_from_json(text, source=f"run {record.run_id}")
 
     return runs_from_store(planner.store, run_ids, graph_for_run, schedule_for_run)
 

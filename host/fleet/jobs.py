@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from host.fleet import serde
-from host.fleet.limits import MAX_PULL_WAIT_S
+from host.fleet.limits import MAX_PULL_WAIT_S, SOLVE_IDLE_POLL_S
 from host.fleet.refusal import Refused
 from host.fleet.state import FleetState
 from host.fleet.status import OPEN, RunStatus
@@ -32,8 +32,7 @@ class Jobs:
             spec = self.state.spec(run.job_id)
             if run.status == RunStatus.QUEUED:
                 run = self.store.update_run(run.run_id, status=RunStatus.RUNNING)
-            key = run.run_metrics.schedule_key
-            schedule_json = spec.get("schedules", {}).get(key) if key else None
+            schedule_json = self.state.schedule_json(spec, run.run_metrics.schedule_key)
             return serde.job_message(spec, job_id=run.job_id, run_id=run.run_id, kind=run.kind,
                                      schedule_json=schedule_json)
         return None
@@ -54,11 +53,16 @@ class Jobs:
             job = self.next_job(agent)
             if job is not None:
                 return job
+            # a run waiting for a schedule that another process may solve (`poet solver-worker`): look again soon
+            solving = bool(self.store.list_runs(agent=agent, status=RunStatus.SOLVING))
             with state.work:
                 while state.generation == generation and context.is_active() and not replaced():
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return None
+                    if solving:
+                        state.work.wait(min(remaining, SOLVE_IDLE_POLL_S))
+                        break
                     state.work.wait(remaining)
             if not context.is_active() or time.monotonic() >= deadline:
                 return self.next_job(agent) if context.is_active() else None
@@ -106,7 +110,7 @@ class Jobs:
             self.store.remove_agent(name)
         except UnknownAgentError:
             return False
-        for run in self.store.list_runs(agent=name, status=OPEN):
+        for run in self.store.list_runs(agent=name, status=(RunStatus.SOLVING, *OPEN)):
             self.store.update_run(run.run_id, status=RunStatus.FAILED,
                                   detail=f"agent {name!r} was removed by operator {operator!r}")
         return True

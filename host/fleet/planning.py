@@ -4,8 +4,13 @@ stored whole or not at all.
 
 Budgets: ``--ram-budget auto`` gives a board (its memory limit, or its available RAM without one) minus the fixed
 bytes (weights, their gradients, optimizer state, the batch) minus the torch runtime's resident memory it measured
-minus :data:`AUTO_MARGIN_BYTES`. Schedules are cached by (graph fingerprint, profile digest, budget bytes, runtime
-factor, paging, remat, optimizer): identical boards cost one solve.
+minus :data:`AUTO_MARGIN_BYTES`.
+
+Solving: SubmitRun stores the job and its runs and returns at once. A board whose schedule is not solved yet gets a
+``solving`` run and the schedule is queued in the store (host/fleet/solving.py solves it, then the run is queued).
+Schedules are keyed by (graph fingerprint, profile digest, budget bytes, runtime factor, paging, remat, optimizer):
+identical boards cost one solve, and a case solved once (by any submission, or by calibration) is never solved
+again, even after a restart.
 
 Models: a zoo name is traced here; a ``module:callable`` never is (its import would run the operator's code in the
 coordinator): `poet run` traces it on the operator's side and uploads the archive (host/fleet/uploads.py), which is
@@ -50,7 +55,7 @@ class BoardPlan:
     """What the coordinator decided for one board of a submitted run."""
 
     agent: str
-    status: RunStatus  # QUEUED, DOES_NOT_FIT or FAILED
+    status: RunStatus  # SOLVING, QUEUED, DOES_NOT_FIT or FAILED
     ram_budget_bytes: int | None
     min_ram_budget_bytes: int | None
     schedule_key: str | None
@@ -59,10 +64,19 @@ class BoardPlan:
     counts: dict[str, int]
     detail: str | None
     profile: dict[str, Any] | None = None  # {"name", "version"}: the profile the schedule was solved on
+    problem: dict[str, Any] | None = None  # SOLVING: what to solve (host/fleet/solving.py)
+
+
+def plan_from_result(agent: str, which: dict[str, Any] | None, budget: int | None, floor: int | None,
+                     schedule_key: str, result: dict[str, Any]) -> BoardPlan:
+    """A board's plan from a solve's result (host.fleet.solving.solve_problem)."""
+    return BoardPlan(agent, RunStatus(result["status"]), budget, floor, schedule_key,
+                     result.get("schedule_fingerprint"), result.get("predicted"),
+                     {k: v for k, v in (result.get("metrics") or {}).items()}, result.get("detail"), which)
 
 
 class Planner:
-    """Models, profiles, budgets and schedules; the package memo and the schedule cache.
+    """Models, profiles, budgets and schedules; the package memo (the schedules are kept in the store's solves).
 
     ``packager`` is :func:`host.fleet.model_package.package_model` (injectable for tests);
     ``local_profile`` measures this machine once, for boards whose platform is neither measured nor shipped.
@@ -78,7 +92,6 @@ class Planner:
         self.solve_time_limit_s = solve_time_limit_s
         self._packages: dict[tuple, Any] = {}
         self._package_lock = threading.Lock()
-        self._schedules: dict[tuple, tuple[Any, Any]] = {}  # cache key -> (SolveResult, schedule JSON)
         self._solve_lock = threading.Lock()
         self._local_profile = None
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
@@ -157,11 +170,12 @@ class Planner:
                     self._local_profile = load_platform("local", flash_dir=flash, log=log.info)
             return self._local_profile, {"name": self._local_profile.name, "version": "local"}
 
-    def plan_board(self, agent, graph, request, optimizer: str, runtime_factor: float) -> tuple[BoardPlan, str | None]:
-        """Budget, price and solve for one board; (plan, schedule JSON or None)."""
+    def board_case(self, agent, graph, request, optimizer: str, runtime_factor: float) -> BoardPlan:
+        """Budget and price one board, without solving: a plan that is final (DOES_NOT_FIT below the floor; QUEUED,
+        DOES_NOT_FIT or FAILED when the store has this schedule solved already), or SOLVING with the problem to queue
+        (``plan.problem``), which host/fleet/solving.py solves."""
         from host.costs import price_graph
-        from host.run.solve import SolveSettings
-        from host.solver.solve import minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
+        from host.solver.solve import minimum_ram_bytes, no_remat_peak_bytes
 
         profile, which = self.board_profile(agent, request.profile_version)
         graph = graph.with_optimizer(optimizer)  # its state is fixed bytes: in the auto budget and the schedule
@@ -174,48 +188,46 @@ class Planner:
             budget = int(request.ram_budget.fraction_of_peak * no_remat_peak_bytes(priced))
         else:
             budget = auto_budget_bytes(agent.facts, graph, optimizer)
-
-        def refused(detail: str) -> BoardPlan:
-            return BoardPlan(agent.name, RunStatus.DOES_NOT_FIT, max(budget, 0), floor, None, None, None, {}, detail, which)
-
         if budget < floor:
             how = auto_budget_text(agent.facts, graph, optimizer) if budget_kind == "auto" else f"{budget} bytes"
-            return refused(f"RAM budget {how} is below the minimum any schedule of {graph.name} can meet: {floor} "
-                           f"bytes; give the board more memory or pick a smaller model or batch"), None
-        digest = profile_digest(profile)
+            return BoardPlan(agent.name, RunStatus.DOES_NOT_FIT, max(budget, 0), floor, None, None, None, {},
+                             f"RAM budget {how} is below the minimum any schedule of {graph.name} can meet: {floor} "
+                             f"bytes; give the board more memory or pick a smaller model or batch", which)
         paging, remat = not request.no_paging, not request.no_remat
-        key = (graph.fingerprint(), digest, budget, float(runtime_factor), paging, remat, optimizer)
-        with self._solve_lock:
-            cached = self._schedules.get(key)
-            if cached is None:
-                settings = SolveSettings(runtime_budget=runtime_factor, time_limit_s=self.solve_time_limit_s,
-                                         paging=paging, remat=remat)
-                log.info("solving %s for %s at %d bytes on %s", graph.name, agent.name, budget, profile.name)
-                result = solve_schedule(priced, settings.options(budget))
-                self.solve_count += 1
-                text = serde.schedule_json(result.schedule) if result.schedule is not None else None
-                cached = (result, text)
-                self._schedules[key] = cached
-        result, text = cached
-        if text is None:
-            if result.status == "infeasible":
-                return refused(f"no schedule fits: {result.message}"), None
-            return BoardPlan(agent.name, RunStatus.FAILED, budget, floor, None, None, None, {},
-                             f"the solver found no schedule ({result.status}): {result.message}", which), None
-        prediction = result.schedule.prediction
+        key = (graph.fingerprint(), profile_digest(profile), budget, float(runtime_factor), paging, remat, optimizer)
         schedule_key = hashlib.sha256(serde.dumps([list(map(str, key))]).encode()).hexdigest()[:24]
-        fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
-        from host.calibrate.fit import predict_step
+        solved = self.store.get_solve(schedule_key)
+        if solved is not None and solved.state == "done":
+            return plan_from_result(agent.name, which, budget, floor, schedule_key, solved.result)
+        problem = {
+            "label": f"{graph.name} for {agent.name} at {budget} bytes on {profile.name}",
+            "graph": graph.to_dict(), "optimizer": optimizer, "profile": profile.to_dict(), "budget_bytes": budget,
+            "runtime_factor": float(runtime_factor), "time_limit_s": self.solve_time_limit_s, "paging": paging,
+            "remat": remat,
+        }
+        return BoardPlan(agent.name, RunStatus.SOLVING, budget, floor, schedule_key, None, None, {}, None, which,
+                         problem)
 
-        # A whole step: the schedule's computes and transfers, plus the optimizer and the executor's own
-        # time where the profile was calibrated (the solver's runtime covers only what a schedule changes).
-        step_s, step_j = predict_step(profile, graph, result.schedule)
-        predicted = {"step_s": step_s, "peak_ram_bytes": float(prediction.peak_ram_bytes),
-                     "energy_j": step_j, "energy_source": f"predicted:{profile.name}"}
-        counts = {"recomputes": prediction.recomputes, "page_ins": prediction.page_ins,
-                  "page_outs": prediction.page_outs}
-        return BoardPlan(agent.name, RunStatus.QUEUED, budget, floor, schedule_key, fingerprint, predicted, counts, None,
-                         which), text
+    def solve(self, problem: dict[str, Any]) -> dict[str, Any]:
+        """Solve a queued problem in this process (host/fleet/solving.py's workers and :meth:`plan_board`)."""
+        from host.fleet.solving import solve_problem
+
+        result = solve_problem(problem)
+        with self._solve_lock:
+            self.solve_count += 1
+        return result
+
+    def plan_board(self, agent, graph, request, optimizer: str, runtime_factor: float) -> tuple[BoardPlan, str | None]:
+        """Budget, price and solve one board now, on the caller's thread (calibration and host/flower, which need
+        the answer before going on); (plan, schedule JSON or None). The result is stored as a queued solve's is, so
+        a submission of the same case takes it without solving again."""
+        plan = self.board_case(agent, graph, request, optimizer, runtime_factor)
+        if plan.status == RunStatus.SOLVING:
+            result = self.solve(plan.problem)
+            self.store.record_solve(plan.schedule_key, plan.problem, result)
+            plan = plan_from_result(agent.name, plan.profile, plan.ram_budget_bytes, plan.min_ram_budget_bytes,
+                                    plan.schedule_key, result)
+        return plan, self.state.schedule_json({}, plan.schedule_key) if plan.status == RunStatus.QUEUED else None
 
     def targets(self, request) -> list:
         known = {a.name: a for a in self.store.list_agents()}
@@ -272,11 +284,11 @@ class Planner:
             "lr": request.lr or DEFAULT_LR, "collect": collect, "seed": request.seed,
             "runtime_budget": runtime_factor, "checkpoint_every_steps": DEFAULT_CHECKPOINT_EVERY_STEPS,
             "ram_budget": json.loads(serde.json_format.MessageToJson(request.ram_budget)) if kind != "profile" else None,
-            "schedules": {},
             "profile_version": request.profile_version or None,
             "paging": not request.no_paging, "remat": not request.no_remat,
         }
         plans: list[BoardPlan] = []
+        solve_problems: dict[str, dict[str, Any]] = {}
         if kind == "profile":
             plans = [BoardPlan(a.name, RunStatus.QUEUED, None, None, None, None, None, {}, None) for a in boards]
         else:
@@ -284,10 +296,10 @@ class Planner:
                 package = self.model_package(request)
                 check_datasets(request.dataset, boards, package.grouping)
                 for agent in boards:
-                    plan, text = self.plan_board(agent, package.graph, request, optimizer, runtime_factor)
+                    plan = self.board_case(agent, package.graph, request, optimizer, runtime_factor)
                     plans.append(plan)
-                    if text is not None:
-                        spec["schedules"][plan.schedule_key] = text
+                    if plan.problem is not None:
+                        solve_problems[plan.schedule_key] = plan.problem
             except user_errors() as error:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
             spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
@@ -306,8 +318,11 @@ class Planner:
                               "ram_budget_bytes": plan.ram_budget_bytes, "predicted": plan.predicted,
                               "schedule_fingerprint": plan.schedule_fingerprint, "detail": plan.detail,
                               "metrics": metrics})
-        runs = self.store.create_submission(job_id, kind, spec, run_specs)  # all the boards' runs, or none
+        # all the boards' runs, or none; their solves queued (one per distinct schedule)
+        runs = self.store.create_submission(job_id, kind, spec, run_specs, solve_problems=solve_problems)
         self.state.remember_spec(job_id, spec)
+        if solve_problems:
+            self.state.wake_solvers()
         self.state.notify_work()
         return [serde.run_info(run, spec) for run in runs]
 

@@ -52,6 +52,7 @@ class RunningCoordinator:
         for name in ("", *service.SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.coordinator.notify_work()
+        self.coordinator.close()
         self.server.stop(grace_s).wait()
         self.store.close()
 
@@ -79,6 +80,7 @@ def start_coordinator(listen: str, certs_dir: str | Path, *, store_url: str | No
     credentials = server_credentials(Path(certs_dir) / "coordinator" if (Path(certs_dir) / "coordinator").is_dir()
                                      else certs_dir)
     store = RunStore(store_url or sqlite_url(state))
+    coordinator = None
     try:
         coordinator = service.Coordinator(store, state, board_calls=board_calls, **coordinator_options)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="poet-rpc"),
@@ -91,6 +93,8 @@ def start_coordinator(listen: str, certs_dir: str | Path, *, store_url: str | No
             raise OSError(f"cannot listen on {listen}: the address is in use or not local")
         server.start()
     except BaseException:
+        if coordinator is not None:
+            coordinator.close()
         store.close()
         raise
     for name in ("", *service.SERVICE_NAMES):

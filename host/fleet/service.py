@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from host.fleet.ingestion import Ingestion
 from host.fleet.jobs import Jobs
 from host.fleet.limits import (
     AUTO_MARGIN_BYTES,  # noqa: F401  (part of this module's face: tests and host/flower read it here)
+    DEFAULT_SOLVER_WORKERS,
     DOWNLOAD_IDLE_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
@@ -67,6 +69,8 @@ class Coordinator:
 
     ``packager`` is :func:`host.fleet.model_package.package_model` (injectable for tests);
     ``local_profile`` measures this machine once, for boards whose platform is neither measured nor shipped.
+    ``solver_workers``: threads solving queued schedules (host/fleet/solving.py; 0: only other processes solve, e.g.
+    ``poet solver-worker``). Stop them with :meth:`close`.
     ``refine_profiles``: done TRAIN and VERIFY runs refine calibrated boards' profiles (host.fleet.calibration.Refiner).
     The methods below are the roles' entry points that calibration (which drives submissions like an operator),
     host/flower (planning) and tests use.
@@ -76,7 +80,7 @@ class Coordinator:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  solve_time_limit_s: float = SOLVE_TIME_LIMIT_S, local_profile: Callable[[], Any] | None = None,
                  refine_profiles: bool = True, download_idle_s: float = DOWNLOAD_IDLE_S,
-                 board_calls: int | None = None):
+                 board_calls: int | None = None, solver_workers: int = DEFAULT_SOLVER_WORKERS):
         self.state = FleetState(store, state_dir, heartbeat_interval_s=heartbeat_interval_s,
                                 heartbeat_timeout_s=heartbeat_timeout_s, download_idle_s=download_idle_s,
                                 board_calls=board_calls)
@@ -91,6 +95,24 @@ class Coordinator:
 
             self.refiner = Refiner(self.planning)
         self.ingestion.refiner = self.refiner
+        self.solvers = None
+        if solver_workers:
+            from host.fleet.solving import SolverPool
+
+            self.solvers = SolverPool(store, solver_workers, solve=self.planning.solve,
+                                      on_solved=lambda runs: self.state.notify_work())
+            self.state.solvers = self.solvers.start()
+        # PostgreSQL: runs queued by another coordinator or solver worker wake this one's long polls at once
+        self._listening = threading.Event()
+        store.listen_for_work(self.state.notify_work, self._listening)
+
+    def close(self) -> None:
+        """Stop listening to the store and the solver workers (solves in progress go back to the queue); the store
+        stays open."""
+        self._listening.set()
+        if self.solvers is not None:
+            self.state.solvers = None
+            self.solvers.stop()
 
     # ------------------------------------------------------------------------------------ the shared state
     @property

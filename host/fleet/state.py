@@ -43,11 +43,30 @@ class FleetState:
         self.generation = 0  # bumped with each notification
         self._specs: dict[str, dict[str, Any]] = {}  # job_id -> spec (immutable once stored)
         self.calibrations: dict[str, Any] = {}  # calibration id -> host.fleet.calibration.Calibration (in memory)
+        self.solvers = None  # the coordinator's host.fleet.solving.SolverPool (None: only other processes solve)
+        self._schedule_texts: dict[str, str] = {}  # schedule key -> schedule JSON (immutable once solved)
 
     def notify_work(self) -> None:
         with self.work:
             self.generation += 1
             self.work.notify_all()
+
+    def wake_solvers(self) -> None:
+        """A solve was queued: an idle solver worker of this coordinator claims it now."""
+        if self.solvers is not None:
+            self.solvers.wake()
+
+    def schedule_json(self, spec: dict[str, Any], schedule_key: str | None) -> str | None:
+        """The schedule a run names: in its job's spec (jobs stored before solves were queued) or solved in the
+        store; None when there is none (yet)."""
+        if not schedule_key:
+            return None
+        text = (spec.get("schedules") or {}).get(schedule_key) or self._schedule_texts.get(schedule_key)
+        if text is None:
+            solved = self.store.get_solve(schedule_key)
+            if solved is not None and solved.state == "done" and solved.result.get("schedule_json"):
+                text = self._schedule_texts[schedule_key] = solved.result["schedule_json"]
+        return text
 
     def spec(self, job_id: str) -> dict[str, Any]:
         spec = self._specs.get(job_id)

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 
 class RunStatus(StrEnum):
+    SOLVING = "solving"  # recorded; its schedule is being solved (host/fleet/solving.py), then queued
     QUEUED = "queued"  # waiting for its board to pull it
     RUNNING = "running"  # handed to its board by PullJob
     DONE = "done"
@@ -30,7 +31,8 @@ OPEN = (RunStatus.QUEUED, RunStatus.RUNNING)  # a board's work: handed out, or t
 # From each status, the statuses an update may move a run to. A finished status may be reported again (an agent
 # resends its result after a reconnect) but never changed.
 TRANSITIONS = {
-    RunStatus.QUEUED: frozenset(RunStatus),
+    RunStatus.SOLVING: frozenset({RunStatus.SOLVING, RunStatus.QUEUED, RunStatus.DOES_NOT_FIT, RunStatus.FAILED}),
+    RunStatus.QUEUED: frozenset(RunStatus) - {RunStatus.SOLVING},
     RunStatus.RUNNING: frozenset({RunStatus.RUNNING, RunStatus.QUEUED, RunStatus.DONE, RunStatus.FAILED}),
     RunStatus.DONE: frozenset({RunStatus.DONE}),
     RunStatus.FAILED: frozenset({RunStatus.FAILED}),

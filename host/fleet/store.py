@@ -26,22 +26,24 @@ acknowledges: an event after a gap is kept, but is not acknowledged until the ga
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 
 from host.fleet.metrics import NAMES as METRIC_NAMES
 from host.fleet.metrics import RunMetrics
 from host.fleet.status import FINISHED, TRANSITIONS, RunStatus
 
+log = logging.getLogger("poet.fleet")
 RUN_STATUSES = tuple(s.value for s in RunStatus)  # as stored (the runs table's check constraint names them too)
 TERMINAL_STATUSES = FINISHED
 RUN_KINDS = ("train", "verify", "profile")
@@ -54,6 +56,8 @@ _URL_HELP = (
 _SQLITE_BUSY_TIMEOUT_S = 30.0
 _EVENT_LOOKUP_CHUNK = 500  # bound parameters per IN (...) query, far below SQLite's limit
 _PG_MIGRATION_LOCK_KEY = 0x706F6574  # pg_advisory_xact_lock key: b"poet"
+WORK_CHANNEL = "poet_work"  # PostgreSQL: NOTIFY'd when runs or solves were queued, for every process sharing the store
+_LISTEN_RETRY_S = 1.0
 
 
 class StoreError(RuntimeError):
@@ -126,6 +130,18 @@ profile_versions = sa.Table(
     sa.Column("created_at_s", sa.Float(), nullable=False),
     sa.Column("provenance", _JSON, nullable=True),  # revision 0003; NULL (read as {}) for older versions
 )
+solves = sa.Table(  # revision 0004
+    "solves", metadata,
+    sa.Column("schedule_key", sa.String(64), primary_key=True),
+    sa.Column("problem", _JSON, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("claimed_by", sa.String(255), nullable=True),
+    sa.Column("lease_until_s", sa.Float(), nullable=True),
+    sa.Column("result", _JSON, nullable=True),
+    sa.Column("created_at_s", sa.Float(), nullable=False),
+    sa.Column("finished_at_s", sa.Float(), nullable=True),
+)
+SOLVE_STATES = ("pending", "claimed", "done")
 
 
 @dataclass(frozen=True)
@@ -221,6 +237,20 @@ class ProfileVersion:
     profile: dict[str, Any]  # a PlatformProfile as JSON
     created_at_s: float
     provenance: dict[str, Any] = field(default_factory=dict)  # source, agent, job/run ids, time, fit errors
+
+
+@dataclass(frozen=True)
+class SolveRecord:
+    """One distinct schedule to solve (host/fleet/solving.py): the runs that wait for it name it by schedule_key."""
+
+    schedule_key: str
+    problem: dict[str, Any]  # everything a solver worker needs: graph, profile, budget, settings (JSON)
+    state: str  # pending | claimed | done
+    claimed_by: str | None  # the worker solving it
+    lease_until_s: float | None  # a claim not renewed by then is taken over by another worker
+    result: dict[str, Any] | None  # when done: the runs' status, detail, schedule and prediction
+    created_at_s: float
+    finished_at_s: float | None
 
 
 _UNSET: Any = object()  # "not given" for fields whose new value may be None
@@ -474,12 +504,17 @@ class RunStore:
             return _run(self._run_row(conn, run_id))
 
     def create_submission(self, job_id: str, kind: str, spec: Mapping[str, Any], run_specs: list[Mapping[str, Any]],
-                          now_s: float | None = None) -> list[RunRecord]:
+                          now_s: float | None = None, solve_problems: Mapping[str, Mapping[str, Any]] | None = None,
+                          ) -> list[RunRecord]:
         """A job and its runs (one per board) in one transaction: all are stored, or none.
 
         Each of ``run_specs`` has ``run_id`` and ``agent``, and may have ``status`` (queued), ``ram_budget_bytes``,
         ``schedule_fingerprint``, ``predicted``, ``detail`` and ``metrics``. A removed or unknown agent, a run id in
-        use or a bad value refuses the whole submission (nothing of it is stored)."""
+        use or a bad value refuses the whole submission (nothing of it is stored).
+
+        ``solve_problems`` (schedule key -> problem) are the schedules the submission's 'solving' runs wait for:
+        each is queued unless the store has it already (another submission's, pending or solved); one solved
+        already is applied to the runs before this returns."""
         _check_kind(kind)
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
@@ -487,6 +522,13 @@ class RunStore:
             for run in run_specs:
                 _refuse_removed(self._agent_row(conn, run["agent"]))
                 _insert_run(conn, run, job_id, kind, now_s)
+            for key, problem in (solve_problems or {}).items():
+                row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).first()
+                if row is None:
+                    self._insert_solve(conn, key, problem, now_s)
+                elif row.state == "done":
+                    _apply_solve(conn, key, row.result, now_s)
+            self._notify_work(conn)
             return [_run(self._run_row(conn, run["run_id"])) for run in run_specs]
 
     def update_run(
@@ -543,6 +585,124 @@ class RunStore:
         if row is None:
             raise UnknownRunError(f"no run {run_id!r} (see `poet runs list`)")
         return row
+
+    # -- solves ----------------------------------------------------------------------------------
+
+    def _insert_solve(self, conn: sa.Connection, key: str, problem: Mapping[str, Any], now_s: float,
+                      result: Mapping[str, Any] | None = None) -> None:
+        """Queue a solve (or record one done), unless another writer stored the key first."""
+        dialect = postgresql if self.backend == "postgresql" else sqlite
+        values = {"schedule_key": key, "problem": dict(problem), "state": "pending" if result is None else "done",
+                  "result": None if result is None else dict(result), "created_at_s": now_s,
+                  "finished_at_s": None if result is None else now_s}
+        conn.execute(dialect.insert(solves).values(**values).on_conflict_do_nothing(index_elements=["schedule_key"]))
+
+    def get_solve(self, key: str) -> SolveRecord | None:
+        with self._read() as conn:
+            row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key)).first()
+        return None if row is None else _solve(row)
+
+    def list_solves(self, state: str | None = None) -> list[SolveRecord]:
+        """Solves, oldest first, optionally only those in ``state``."""
+        query = sa.select(solves).order_by(solves.c.created_at_s, solves.c.schedule_key)
+        if state is not None:
+            query = query.where(solves.c.state == state)
+        with self._read() as conn:
+            return [_solve(row) for row in conn.execute(query)]
+
+    def record_solve(self, key: str, problem: Mapping[str, Any], result: Mapping[str, Any],
+                     now_s: float | None = None) -> None:
+        """A solve done outside the queue (solved on the caller's thread): kept for the submissions that need it."""
+        now_s = _now_s() if now_s is None else now_s
+        with self._write() as conn:
+            self._insert_solve(conn, key, problem, now_s, result)
+
+    def claim_solve(self, worker: str, lease_s: float, now_s: float | None = None) -> SolveRecord | None:
+        """The oldest pending solve, or one whose worker's lease ran out, claimed for ``worker`` until now +
+        ``lease_s``; None when there is none. Workers sharing a PostgreSQL store skip each other's rows
+        (FOR UPDATE SKIP LOCKED); on SQLite, writers take turns."""
+        now_s = _now_s() if now_s is None else now_s
+        claimable = sa.or_(solves.c.state == "pending",
+                           sa.and_(solves.c.state == "claimed", solves.c.lease_until_s < now_s))
+        query = (sa.select(solves).where(claimable).order_by(solves.c.created_at_s, solves.c.schedule_key).limit(1)
+                 .with_for_update(skip_locked=True))
+        with self._write() as conn:
+            row = conn.execute(query).first()
+            if row is None:
+                return None
+            conn.execute(sa.update(solves).where(solves.c.schedule_key == row.schedule_key).values(
+                state="claimed", claimed_by=worker, lease_until_s=now_s + lease_s))
+            return _solve(conn.execute(sa.select(solves).where(solves.c.schedule_key == row.schedule_key)).one())
+
+    def renew_solve(self, key: str, worker: str, lease_s: float, now_s: float | None = None) -> bool:
+        """Extend ``worker``'s claim; False when the claim is no longer its own (taken over, or done)."""
+        now_s = _now_s() if now_s is None else now_s
+        with self._write() as conn:
+            changed = conn.execute(sa.update(solves).where(
+                solves.c.schedule_key == key, solves.c.state == "claimed", solves.c.claimed_by == worker,
+            ).values(lease_until_s=now_s + lease_s)).rowcount
+        return changed == 1
+
+    def release_solve(self, key: str, worker: str) -> bool:
+        """Hand ``worker``'s claim back to the queue (it stops without finishing); False when it held none."""
+        with self._write() as conn:
+            changed = conn.execute(sa.update(solves).where(
+                solves.c.schedule_key == key, solves.c.state == "claimed", solves.c.claimed_by == worker,
+            ).values(state="pending", claimed_by=None, lease_until_s=None)).rowcount
+        return changed == 1
+
+    def finish_solve(self, key: str, result: Mapping[str, Any], now_s: float | None = None) -> list[RunRecord]:
+        """Store a solve's result and apply it to every run waiting for it, in one transaction; the runs changed.
+        The first result stored stands (a worker whose lease ran out may finish after the one that took over)."""
+        now_s = _now_s() if now_s is None else now_s
+        with self._write() as conn:
+            row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).first()
+            if row is None:
+                raise StoreError(f"no solve {key!r}")
+            if row.state == "done":
+                return []
+            conn.execute(sa.update(solves).where(solves.c.schedule_key == key).values(
+                state="done", result=dict(result), finished_at_s=now_s, lease_until_s=None))
+            self._notify_work(conn)
+            return _apply_solve(conn, key, dict(result), now_s)
+
+    def _notify_work(self, conn: sa.Connection) -> None:
+        """PostgreSQL: tell every process listening on the store (:meth:`listen_for_work`) that work was queued; sent
+        when the transaction commits. SQLite stores are one host's: its processes poll."""
+        if self.backend == "postgresql":
+            conn.execute(sa.text(f"NOTIFY {WORK_CHANNEL}"))
+
+    def listen_for_work(self, on_work: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
+        """PostgreSQL: a daemon thread calling ``on_work()`` whenever a process sharing the store queued runs or
+        solves (LISTEN on its own connection; once more after each (re)connect, for what was queued meanwhile), until
+        ``stop`` is set. SQLite: None (nothing to listen to)."""
+        if self.backend != "postgresql":
+            return None
+        import psycopg
+
+        conninfo = self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+        def listen() -> None:
+            while not stop.is_set():
+                try:
+                    with psycopg.connect(conninfo, autocommit=True) as conn:
+                        conn.execute(f"LISTEN {WORK_CHANNEL}")
+                        on_work()
+                        while not stop.is_set():
+                            for _ in conn.notifies(timeout=_LISTEN_RETRY_S, stop_after=1):
+                                on_work()
+                except psycopg.Error as error:
+                    log.warning("listening for work on %s failed (%s); again in %g s", self.url, error,
+                                _LISTEN_RETRY_S)
+                    stop.wait(_LISTEN_RETRY_S)
+
+        thread = threading.Thread(target=listen, daemon=True, name="poet-store-listen")
+        thread.start()
+        return thread
+
+    def solving_runs(self) -> list[RunRecord]:
+        """The runs waiting for a schedule."""
+        return self.list_runs(status=RunStatus.SOLVING)
 
     # -- telemetry events ------------------------------------------------------------------------
 
@@ -752,6 +912,29 @@ def _insert_run(conn: sa.Connection, run: Mapping[str, Any], job_id: str, kind: 
     ))
 
 
+def _apply_solve(conn: sa.Connection, key: str, result: Mapping[str, Any], now_s: float) -> list[RunRecord]:
+    """A solve's result onto the runs waiting for it (status solving, metrics.schedule_key ``key``)."""
+    changed = []
+    waiting = conn.execute(sa.select(runs).where(runs.c.status == RunStatus.SOLVING.value).with_for_update()).all()
+    for row in waiting:
+        if row.metrics.get("schedule_key") != key:
+            continue
+        conn.execute(sa.update(runs).where(runs.c.run_id == row.run_id).values(
+            status=_check_status(result["status"]), schedule_fingerprint=result.get("schedule_fingerprint"),
+            predicted=result.get("predicted"), detail=result.get("detail"), updated_at_s=now_s,
+            metrics={**row.metrics, **_check_metrics(result.get("metrics") or {})}))
+        changed.append(row.run_id)
+    return [_run(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one()) for run_id in changed]
+
+
+def _solve(row: sa.Row) -> SolveRecord:
+    return SolveRecord(
+        schedule_key=row.schedule_key, problem=row.problem, state=row.state, claimed_by=row.claimed_by,
+        lease_until_s=row.lease_until_s, result=row.result, created_at_s=row.created_at_s,
+        finished_at_s=row.finished_at_s,
+    )
+
+
 def _refuse_removed(row: sa.Row) -> None:
     if row.removed:
         raise AgentRemovedError(
@@ -804,6 +987,7 @@ def _run(row: sa.Row) -> RunRecord:
 
 
 __all__ = [
-    "AgentRecord", "AgentRemovedError", "JobRecord", "ProfileVersion", "RunRecord", "RunStore", "StoreError",
+    "AgentRecord", "AgentRemovedError", "JobRecord", "ProfileVersion", "RunRecord", "RunStore", "SolveRecord",
+    "StoreError",
     "UnknownAgentError", "UnknownRunError", "alembic_config", "parse_url", "sqlite_url",
 ]

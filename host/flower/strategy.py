@@ -116,7 +116,8 @@ class PoetStrategy(Strategy):
             state = self.work_dir / "planner"
             state.mkdir(parents=True, exist_ok=True)
             kwargs = {} if self._solve_time_limit_s is None else {"solve_time_limit_s": self._solve_time_limit_s}
-            self._planner = Coordinator(RunStore(sqlite_url(state)), state, refine_profiles=False, **kwargs)
+            self._planner = Coordinator(RunStore(sqlite_url(state)), state, refine_profiles=False,
+                                        solver_workers=0, **kwargs)
         return self._planner
 
     def node_facts(self, proxy, server_round: int) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def test_each_fleet_command_group_lives_in_its_own_module():
             inner = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices
             func = next(iter(inner.values())).get_default("func")
         modules[name] = func.__module__
-    assert modules == {"serve": "host.cli.serve", "fleet": "host.cli.fleet", "run": "host.cli.run",
+    assert modules == {"serve": "host.cli.serve", "solver-worker": "host.cli.solver_worker", "fleet": "host.cli.fleet", "run": "host.cli.run",
                        "runs": "host.cli.runs", "profiles": "host.cli.profiles", "calibrate": "host.cli.calibrate"}
 
 

@@ -18,6 +18,7 @@ from device_agent import protos
 from host.fleet import certs, service
 from host.fleet.server import start_coordinator
 from host.fleet.store import RunStore, sqlite_url
+from tests.host.fleet.helpers import solved_runs
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
 fleet_pb2_grpc = protos.load("poet.v1.fleet_pb2_grpc")
@@ -60,7 +61,8 @@ def submit(cert_dir, port, *, agents=(), all_agents=False, budget=None, kind=fle
                                          all_agents=all_agents, kind=kind, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
                                          collect=collect, seed=0,
                                          ram_budget=budget or fleet_pb2.RamBudget(fraction_of_peak=1.0), **fields)
-    return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
+    stub = admin(cert_dir, port)
+    return solved_runs(stub, stub.SubmitRun(request, timeout=TIMEOUT_S).runs)
 
 
 def refused(call) -> grpc.RpcError:
@@ -551,7 +553,8 @@ def _submit_model(cert_dir, port, model, agents, dataset="digits"):
     request = fleet_pb2.SubmitRunRequest(model=model, dataset=dataset, steps=2, agents=list(agents),
                                          kind=fleet_pb2.JOB_KIND_TRAIN, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
                                          ram_budget=fleet_pb2.RamBudget(fraction_of_peak=1.0))
-    return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
+    stub = admin(cert_dir, port)
+    return solved_runs(stub, stub.SubmitRun(request, timeout=TIMEOUT_S).runs)
 
 
 def test_a_dataset_a_board_lacks_or_of_the_wrong_shape_is_refused_at_submit(cert_dir, coordinator):

@@ -381,16 +381,17 @@ def test_a_store_at_the_first_revision_is_upgraded_on_open_and_reopening_is_a_no
 
     caplog.set_level(logging.INFO, logger="alembic")
     with RunStore(store_url) as opened:
-        assert opened.schema_revision() == RunStore.head_revision() == "0003"
+        assert opened.schema_revision() == RunStore.head_revision() == "0004"
         assert opened.get_agent("old-pi").facts == {"ram_total_bytes": 1024}
         assert opened.store_events("r0", [(1, {}), (2, {})]) == 2
         assert opened.add_profile_version("old-pi", {"flops_per_s": 1.0}).version == 1
     assert "Running upgrade 0001 -> 0002" in caplog.text and "Running upgrade 0002 -> 0003" in caplog.text
+    assert "Running upgrade 0003 -> 0004" in caplog.text
 
     schema = _columns(store_url)
     caplog.clear()
     with RunStore(store_url) as again:
-        assert again.schema_revision() == "0003"
+        assert again.schema_revision() == "0004"
         assert again.events_stored("r0") == 2 and again.latest_profile("old-pi").version == 1
     assert "Running upgrade" not in caplog.text
     assert _columns(store_url) == schema
@@ -417,7 +418,7 @@ def test_a_store_at_revision_0002_keeps_its_profile_versions_and_reads_no_proven
         engine.dispose()
     assert "provenance" not in _columns(store_url)["profile_versions"]
     with RunStore(store_url) as opened:
-        assert opened.schema_revision() == "0003"
+        assert opened.schema_revision() == "0004"
         old = opened.latest_profile("old-pi")
         assert (old.version, old.profile, old.created_at_s, old.provenance) == (1, {"name": "old"}, 3.0, {})
         new = opened.add_profile_version("old-pi", {"name": "new"}, provenance={"source": "profile-job"})
@@ -491,3 +492,102 @@ def test_a_submission_is_stored_whole_or_not_at_all(store):
     assert (stored.run_id, stored.agent, stored.status, stored.ram_budget_bytes, stored.metrics) == (
         "run-a", "pi-1", "queued", 1000, {"steps_done": 0})
     assert store.get_job("job-1").spec == {"steps": 3}
+
+
+def test_a_store_at_revision_0003_keeps_its_runs_and_events_and_takes_solving_runs(store_url):
+    """0004 widens the runs' status check. SQLite cannot alter a check, and copying the runs table (Alembic's batch
+    mode) would cascade-delete every telemetry event: the events must survive, and the check must still refuse
+    a status that is not one."""
+    from alembic import command
+
+    engine = sa.create_engine(store_module.parse_url(store_url))
+    try:
+        with engine.begin() as conn:
+            if engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+            command.upgrade(alembic_config(conn), "0003")
+            conn.execute(sa.text(
+                "INSERT INTO agents (name, platform, facts, registered_at_s, last_seen_at_s, removed) "
+                "VALUES ('old-pi', 'a72', '{}', 1.0, 2.0, false)"
+            ))
+            conn.execute(sa.text("INSERT INTO jobs (job_id, kind, spec, created_at_s) VALUES ('j0', 'train', '{}', 1.0)"))
+            conn.execute(sa.text(
+                "INSERT INTO runs (run_id, job_id, agent, kind, status, metrics, created_at_s, updated_at_s) "
+                "VALUES ('r0', 'j0', 'old-pi', 'train', 'running', '{}', 1.0, 1.0)"
+            ))
+            conn.execute(sa.text("INSERT INTO events (run_id, seq, payload, stored_at_s) VALUES ('r0', 1, '{}', 1.0)"))
+    finally:
+        engine.dispose()
+    with RunStore(store_url) as opened:
+        assert opened.schema_revision() == "0004"
+        assert len(opened.get_events("r0")) == 1 and opened.get_run("r0").status == "running"
+        [run] = opened.create_submission("j1", "train", {}, [{"run_id": "r1", "agent": "old-pi", "status": "solving",
+                                                              "metrics": {"schedule_key": "k"}}],
+                                         solve_problems={"k": {"label": "x"}})
+        assert run.status == "solving" and [s.state for s in opened.list_solves()] == ["pending"]
+    engine = sa.create_engine(store_module.parse_url(store_url))
+    try:
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.execute(sa.text("UPDATE runs SET status = 'bogus' WHERE run_id = 'r0'"))
+    finally:
+        engine.dispose()
+
+
+# -- solves ----------------------------------------------------------------------------------
+
+
+def _solving_submission(store: RunStore, job_id: str, keys: dict[str, str]) -> list:
+    """A job with one 'solving' run per agent of ``keys`` (agent -> schedule key), its solves queued."""
+    for agent in keys:
+        store.register_agent(agent, "a72", FACTS)
+    runs = [{"run_id": f"{job_id}-{agent}", "agent": agent, "status": "solving", "metrics": {"schedule_key": key}}
+            for agent, key in keys.items()]
+    return store.create_submission(job_id, "train", {}, runs,
+                                   solve_problems={key: {"label": key} for key in keys.values()})
+
+
+QUEUED_RESULT = {"status": "queued", "schedule_json": "{}", "schedule_fingerprint": "f1",
+                 "predicted": {"step_s": 1.0}, "metrics": {"recomputes": 3, "page_ins": 1, "page_outs": 1}}
+
+
+def test_a_solve_is_queued_once_per_key_and_its_result_reaches_every_run_waiting_for_it(store):
+    runs = _solving_submission(store, "j1", {"pi-1": "k1", "pi-2": "k1", "pi-3": "k2"})
+    assert [r.status for r in runs] == ["solving"] * 3
+    assert [(s.schedule_key, s.state) for s in store.list_solves()] == [("k1", "pending"), ("k2", "pending")]
+    claimed = store.claim_solve("w1", lease_s=30, now_s=100.0)
+    assert (claimed.schedule_key, claimed.state, claimed.claimed_by, claimed.lease_until_s) == ("k1", "claimed", "w1", 130.0)
+    changed = store.finish_solve("k1", QUEUED_RESULT)
+    assert sorted(r.run_id for r in changed) == ["j1-pi-1", "j1-pi-2"]
+    one = store.get_run("j1-pi-1")
+    assert (one.status, one.schedule_fingerprint, one.predicted, one.run_metrics.recomputes) == ("queued", "f1",
+                                                                                               {"step_s": 1.0}, 3)
+    assert store.get_run("j1-pi-3").status == "solving"
+    assert store.finish_solve("k1", {**QUEUED_RESULT, "schedule_fingerprint": "other"}) == []  # the first stands
+    # a later submission of a solved case takes the result in the same transaction: no solving run, no solve
+    [again] = _solving_submission(store, "j2", {"pi-1": "k1"})
+    assert (again.status, again.schedule_fingerprint) == ("queued", "f1")
+    assert len(store.list_solves()) == 2
+
+
+def test_a_claim_whose_lease_ran_out_is_taken_over_and_a_released_one_is_claimable_at_once(store):
+    _solving_submission(store, "j1", {"pi-1": "k1"})
+    assert store.claim_solve("w1", lease_s=30, now_s=100.0).schedule_key == "k1"
+    assert store.claim_solve("w2", lease_s=30, now_s=120.0) is None  # w1's lease holds until 130
+    assert store.renew_solve("k1", "w1", lease_s=30, now_s=125.0)  # ... and now until 155
+    assert store.claim_solve("w2", lease_s=30, now_s=150.0) is None
+    taken = store.claim_solve("w2", lease_s=30, now_s=156.0)  # w1 died: its lease ran out
+    assert (taken.schedule_key, taken.claimed_by) == ("k1", "w2")
+    assert not store.renew_solve("k1", "w1", lease_s=30)  # w1 learns it lost the claim
+    assert not store.release_solve("k1", "w1") and store.release_solve("k1", "w2")
+    assert store.claim_solve("w3", lease_s=30, now_s=157.0).claimed_by == "w3"
+
+
+def test_workers_claiming_at_once_each_get_a_different_solve(store):
+    import concurrent.futures
+
+    _solving_submission(store, "j1", {f"pi-{i}": f"k{i}" for i in range(12)})
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        claims = list(pool.map(lambda i: store.claim_solve(f"w{i}", lease_s=30), range(12)))
+    keys = [c.schedule_key for c in claims if c is not None]
+    assert sorted(keys) == sorted(f"k{i}" for i in range(12))  # every solve claimed exactly once
+    assert store.claim_solve("late", lease_s=30) is None

@@ -17,6 +17,7 @@ import pytest
 from device_agent import protos
 from host.fleet.uploads import upload_chunks
 from tests.host.cli.helpers import test_env
+from tests.host.fleet.helpers import solved_runs
 from tests.host.fleet.test_cli_fleet import Served, board, operator, play_board
 from tests.host.fleet.test_service import TIMEOUT_S, admin, node, refused, register
 
@@ -69,7 +70,8 @@ def submit_uploaded(cert_dir, port, model, agents=("pi-1",)):
     request = fleet_pb2.SubmitRunRequest(model="mine", dataset="digits", steps=2, agents=list(agents),
                                          kind=fleet_pb2.JOB_KIND_TRAIN, optimizer=fleet_pb2.OPTIMIZER_SGD, lr=0.05,
                                          ram_budget=fleet_pb2.RamBudget(fraction_of_peak=1.0), uploaded_model=model)
-    return admin(cert_dir, port).SubmitRun(request, timeout=TIMEOUT_S).runs
+    stub = admin(cert_dir, port)
+    return solved_runs(stub, stub.SubmitRun(request, timeout=TIMEOUT_S).runs)
 
 
 def upload(cert_dir, port, messages):
