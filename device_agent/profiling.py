@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from device_agent.errors import UserError
 from device_agent.meters.modelled import CPU_POWER_PER_THREAD_W, STORAGE_POWER_W, assumed_machine
 from device_agent.meters.modelled import SOURCE as MODELLED_SOURCE
 
@@ -43,7 +44,7 @@ _PAGE_REPS = 5
 _PAGE_REPS_QUICK = 2
 
 
-class LocalBenchError(RuntimeError):
+class LocalBenchError(UserError, RuntimeError):
     """The local benchmark cannot run (e.g. a missing or read-only flash directory)."""
 
 

@@ -12,13 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from device_agent.errors import UserError
 from device_agent.schedule import INSTRUCTION_KINDS, Instruction, Schedule
 
 # Budgets are compared with a small relative slack: byte totals arrive as floats.
 RELATIVE_SLACK = 1e-9
 
 
-class ReplayError(ValueError):
+class ReplayError(UserError, ValueError):
     """A schedule that breaks a rule; the message names the instruction and the rule."""
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from device_agent import protos
+from device_agent.errors import UserError
 from device_agent.fileio import atomic_write_text
 from device_agent.schedule import (
     SCHEDULE_FORMAT_VERSION,
@@ -33,7 +34,7 @@ _PREDICTION_FIELDS = tuple(Prediction.__dataclass_fields__)
 _SOLVE_FIELDS = tuple(SolveInfo.__dataclass_fields__)
 
 
-class ScheduleFormatError(ValueError):
+class ScheduleFormatError(UserError, ValueError):
     """A schedule message or file that cannot be decoded."""
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from device_agent.errors import UserError
+
 __all__ = ["BudgetExceededError", "ExecutorError", "InvalidScheduleError", "MissingTensorError"]
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(UserError, RuntimeError):
     """The executor cannot run this schedule on this partition."""
 
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from device_agent.errors import UserError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no owner locks, so no sweeping either
@@ -63,7 +65,7 @@ STAGING_GRACE_S = 60.0
 PAGE_OVERHEAD_BYTES = _HEADER.size + _TRAILER.size + 64 * _SIZE.size
 
 
-class PageStoreError(RuntimeError):
+class PageStoreError(UserError, RuntimeError):
     """A page file that cannot be written or read back."""
 
 

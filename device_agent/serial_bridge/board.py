@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from device_agent import protos
+from device_agent.errors import UserError
 from device_agent.serial_bridge.framing import MAX_PAYLOAD_BYTES
 
 mcu_pb2 = protos.load("poet.v1.mcu_pb2")
@@ -33,7 +34,7 @@ DEFAULT_STEP_TIMEOUT_S = 300.0  # an emulated step of a large batch is slow; the
 _CHUNK_MARGIN_BYTES = 32  # field tags and varints around a chunk's data
 
 
-class McuBoardError(RuntimeError):
+class McuBoardError(UserError, RuntimeError):
     """The board answered a request with McuError; ``board_message`` is its reason as it sent it."""
 
     def __init__(self, request: str, board_message: str) -> None:

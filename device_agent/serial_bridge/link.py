@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import serial
 
+from device_agent.errors import UserError
 from device_agent.serial_bridge.framing import (
     FLAG_MORE,
     FRAME_OVERHEAD_BYTES,
@@ -67,7 +68,7 @@ DEFAULT_POLL_S = 0.02  # how long one read may block on a port that cannot be wa
 _READ_CHUNK_BYTES = 65536
 
 
-class LinkError(Exception):
+class LinkError(UserError):
     """The serial link failed; the message says where and what to check."""
 
 

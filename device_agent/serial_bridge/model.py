@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from device_agent import protos
+from device_agent.errors import UserError
 
 mcu_pb2 = protos.load("poet.v1.mcu_pb2")
 
@@ -25,7 +26,7 @@ _CROSS_ENTROPY_OPTIONS = ("weight", "reduction", "ignore_index", "label_smoothin
 _CROSS_ENTROPY_DEFAULTS = (None, 1, -100, 0.0)
 
 
-class McuModelError(ValueError):
+class McuModelError(UserError, ValueError):
     """The model has an op or a shape the firmware cannot train; the message names it."""
 
 

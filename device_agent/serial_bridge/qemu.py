@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from device_agent.errors import UserError
+
 __all__ = ["DEFAULT_MACHINE", "QEMU_BINARY", "QemuBoard", "QemuError", "find_qemu", "free_loopback_port"]
 
 QEMU_BINARY = "qemu-system-arm"
@@ -21,7 +23,7 @@ _PORT_ATTEMPTS = 5
 _LOG_TAIL_LINES = 20
 
 
-class QemuError(RuntimeError):
+class QemuError(UserError, RuntimeError):
     """QEMU is missing, did not start, or stopped; the message carries the end of its log."""
 
 

@@ -55,7 +55,7 @@ class _Termination:
 
 def main(argv: list[str] | None = None) -> int:
     from host.fdio import stdout_to_stderr
-    from host.run.errors import user_errors
+    from host.run.errors import UserError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             console = Console(out=out, status=status)
             try:
                 return args.func(args, console)
-            except (CliError, *user_errors()) as error:
+            except (CliError, UserError) as error:
                 status.close()
                 message = str(error).strip("'\"") if isinstance(error, KeyError) else str(error)
                 print(f"poet {args.command}: error: {message}", file=sys.stderr)

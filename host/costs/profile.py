@@ -48,6 +48,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from device_agent.errors import UserError
 from device_agent.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
@@ -58,7 +59,7 @@ _PROFILES_PACKAGE = "host.costs"
 _PROFILES_DIR = "profiles"
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
     """A profile that cannot be loaded or saved; the message names the file, the field and the expected unit."""
 
 

@@ -311,7 +311,7 @@ def _wait(planner: Planner, calibration: Calibration | None, run_ids: Sequence[s
 def _presolve(planner: Planner, board, request) -> RunStatus | None:
     """Solve (into the planner's schedule cache) what submitting ``request`` to ``board`` will run; the plan's
     status, or None where the submission itself must say what is wrong."""
-    from host.run.errors import user_errors
+    from host.run.errors import UserError
 
     if board is None:
         return None
@@ -319,7 +319,7 @@ def _presolve(planner: Planner, board, request) -> RunStatus | None:
         graph = planner.model_package(request).graph
         optimizer = serde.OPTIMIZER_FROM_PB[request.optimizer]  # as submit reads it, so the cache key is the same
         plan, _ = planner.plan_board(board, graph, request, optimizer, request.runtime_budget)
-    except (Refused, *user_errors()):
+    except (Refused, UserError):
         return None
     return plan.status
 
@@ -369,7 +369,7 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
             calibration.run_ids.append(run.run_id)
         planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
                         "status": status, "error": run.error or None})
-    queued = [p["run_id"] for p in planned if p["status"] == RunStatus.QUEUED]
+    queued = [p["run_id"] for p in planned if p["status"] in (RunStatus.QUEUED, RunStatus.SOLVING)]
     if not queued:
         raise CalibrationFailed("no calibration run could be scheduled: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))

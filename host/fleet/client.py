@@ -157,14 +157,14 @@ class OperatorClient:
         if (request.model and is_traced_locally(request.model) and not request.HasField("uploaded_model")
                 and request.kind != self.pb.JOB_KIND_PROFILE):  # a PROFILE job runs no model
             from host.fleet.model_package import package_model
-            from host.run.errors import user_errors
+            from host.run.errors import UserError
 
             log(f"tracing {request.model} here (the coordinator never runs your code)")
             with tempfile.TemporaryDirectory(prefix="poet-upload-") as scratch:
                 try:
                     package = package_model(request.model, scratch, batch_size=request.batch_size or None,
                                             seed=request.seed)
-                except user_errors() as error:
+                except UserError as error:
                     raise FleetClientError(str(error).strip("'\"")) from None
                 request.uploaded_model.CopyFrom(self.upload_model(package, log))
         return list(self.call("SubmitRun", request, timeout_s=SUBMIT_TIMEOUT_S).runs)

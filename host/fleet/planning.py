@@ -249,7 +249,7 @@ class Planner:
         return [known[n] for n in names]
 
     def submit(self, request) -> list:
-        from host.run.errors import user_errors
+        from host.run.errors import UserError
 
         kind = serde.JOB_KIND_FROM_PB.get(request.kind or fleet_pb2.JOB_KIND_TRAIN)
         optimizer = serde.OPTIMIZER_FROM_PB.get(request.optimizer or fleet_pb2.OPTIMIZER_SGD)
@@ -300,7 +300,7 @@ class Planner:
                     plans.append(plan)
                     if plan.problem is not None:
                         solve_problems[plan.schedule_key] = plan.problem
-            except user_errors() as error:
+            except UserError as error:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error).strip("'\"")) from None
             spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
                         grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,

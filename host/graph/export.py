@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from device_agent.errors import UserError
 from host.graph.recurrent import unroll_recurrent
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ __all__ = [
 MODEL_ATTR = "model"  # the wrapper's attribute holding the user's module: module paths start with it
 
 
-class TraceError(ValueError):
+class TraceError(UserError, ValueError):
     """A model that cannot be traced into a TrainingGraph; the message names the op or line and a fix."""
 
 

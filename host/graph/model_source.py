@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from device_agent.errors import UserError
 from host.graph.zoo import ModelBundle, default_loss, output_tensor, seeded_labels
 
 __all__ = ["ModelSourceError", "load_factory_bundle", "parse_input_shape"]
@@ -27,7 +28,7 @@ __all__ = ["ModelSourceError", "load_factory_bundle", "parse_input_shape"]
 _DICT_KEYS = ("module", "inputs", "labels", "loss_fn", "name")
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     """A ``--model module:callable`` or ``--input-shape`` value that cannot be turned into a model bundle."""
 
 

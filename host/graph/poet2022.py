@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from device_agent.errors import UserError
 from host.graph.training_graph import GraphBuilder, TrainingGraph
 
 POET2022_MODELS: tuple[str, ...] = (
@@ -39,7 +40,7 @@ _BATCH_IGNORED = frozenset({"linear", "bert", "transformer"})
 _PARAM_NOTE = "poet2022 graphs count only parameter bytes, as the paper code does"
 
 
-class UnknownPoet2022ModelError(KeyError):
+class UnknownPoet2022ModelError(UserError, KeyError):
     """A ``poet2022`` model name that the paper code does not define."""
 
     def __init__(self, name: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from device_agent.errors import UserError
 from host.graph.training_graph import TrainingGraph
 
 if TYPE_CHECKING:
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 POET2022_PREFIX = "poet2022:"
 
 
-class UnknownModelNameError(KeyError):
+class UnknownModelNameError(UserError, KeyError):
     """A model name that is none of: zoo name, poet2022:<name>, module:callable."""
 
     def __str__(self) -> str:

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from device_agent.errors import UserError
 from device_agent.optimizers import OPTIMIZER_STATE
 
 NodeKind = Literal["fwd", "loss", "bwd"]
 NODE_KINDS: tuple[str, ...] = ("fwd", "loss", "bwd")
 
 
-class GraphError(ValueError):
+class GraphError(UserError, ValueError):
     """A TrainingGraph that breaks an invariant (order, dependency, size)."""
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from device_agent.errors import UserError
+
 __all__ = [
     "ZOO",
     "ModelBundle",
@@ -516,7 +518,7 @@ _SPECS: tuple[ModelSpec, ...] = (
 ZOO: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
 
 
-class UnknownModelError(KeyError):
+class UnknownModelError(UserError, KeyError):
     """A model name that is not in the zoo; the message lists the valid names."""
 
     def __init__(self, name: str, valid_names: Sequence[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from device_agent.errors import UserError
 from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
@@ -26,7 +27,7 @@ from host.solver.validator import ScheduleValidationError, ValidationReport, val
 FORMULATIONS = {"poet-edge": PoetFormulation, "poet2022": Poet2022Formulation}
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError, ValueError):
     """A budget that no schedule can meet, or that is malformed."""
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from device_agent.errors import UserError
 from host.solver.milp import MilpProblem, MilpResult, ProgressCallback
 
 Backend = Callable[..., MilpResult]
 
 
-class UnknownSolverError(ValueError):
+class UnknownSolverError(UserError, ValueError):
     """A --solver name that is not registered."""
 
 

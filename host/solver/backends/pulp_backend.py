@@ -8,10 +8,11 @@ import warnings
 import numpy as np
 import pulp
 
+from device_agent.errors import UserError
 from host.solver.milp import MilpProblem, MilpResult, ProgressCallback, SolverProgress
 
 
-class SolverUnavailableError(RuntimeError):
+class SolverUnavailableError(UserError, RuntimeError):
     """The requested backend is not installed or not licensed on this machine."""
 
 
