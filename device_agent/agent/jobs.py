@@ -201,8 +201,12 @@ class JobRunner:
         rss = RssSampler()
         step, data_index = meta["step"], meta["data_index"]
         energy_source = meter.source
+        # --compile: inductor's fused kernels (TRAIN only: VERIFY compares bitwise with eager, which they are not)
+        inductor = job.compile and job.kind == fleet_pb2.JOB_KIND_TRAIN
+        if inductor:
+            self.log(f"run {job.run_id}: node functions through inductor (--compile); the first step compiles them")
         with ScheduleExecutor(loaded.partition, schedule, flash_dir=str(self.flash_dir), events=events,
-                              energy_meter=meter, log=self.log,
+                              energy_meter=meter, log=self.log, inductor=inductor,
                               return_freed_memory=self.return_freed_memory) as executor:
             for batch in dataset.batches(batch_size, job.seed, start_index=data_index, count=job.steps - step):
                 if cancel.is_set():

@@ -72,6 +72,7 @@ def cmd_run(args, console: Console, op: OperatorClient) -> int:
         kind=serde.JOB_KIND_TO_PB[args.kind], optimizer=serde.OPTIMIZER_TO_PB[args.optimizer], lr=args.lr or 0.0,
         collect=serde.COLLECT_TO_PB[args.collect], seed=args.seed, batch_size=args.batch_size or 0,
         profile_version=args.profile_version or 0, no_paging=args.no_paging, no_remat=args.no_remat,
+        granularity=args.granularity, compile=args.compile,
     )
     if args.ram_budget is not None:
         request.ram_budget.CopyFrom(args.ram_budget)
@@ -164,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         AUTO_MARGIN_BYTES,
         SOLVE_TIME_LIMIT_S,
     )
+    from host.run.sources import GRANULARITIES
 
     run = sub.add_parser(
         "run", help="train, verify or profile on boards of the fleet",
@@ -208,6 +210,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "board has no such version (default: each board's latest version, else its shipped "
                           "platform, else this machine's)")
     add_ablation_args(run)
+    run.add_argument("--granularity", default="layer", choices=list(GRANULARITIES),
+                     help="schedulable nodes: one per layer, per top-level block, or per aten op (default: layer)")
+    run.add_argument("--compile", action="store_true",
+                     help="boards run the node functions through inductor (fused kernels; TRAIN only, not bitwise "
+                          "eager; pays on coarse nodes: use with --granularity block; the first step compiles)")
     run.add_argument("--wait", action="store_true",
                      help="show progress per board on stderr until every run is done, failed or does_not_fit, then "
                           "a table (budget, recomputes, page-ins/outs, predicted vs measured step time and peak RAM, "

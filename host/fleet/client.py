@@ -163,6 +163,7 @@ class OperatorClient:
             with tempfile.TemporaryDirectory(prefix="poet-upload-") as scratch:
                 try:
                     package = package_model(request.model, scratch, batch_size=request.batch_size or None,
+                                            granularity=request.granularity or "layer",
                                             seed=request.seed)
                 except UserError as error:
                     raise FleetClientError(str(error).strip("'\"")) from None

@@ -48,9 +48,10 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def package_model(model: str, cache_dir: str | os.PathLike, *, batch_size: int | None = None,
-                  seed: int = 0) -> ModelPackage:
-    """Trace ``model`` (a zoo name or module:callable) and write its archive into ``cache_dir`` (InputError)."""
-    source = ModelSource(model, batch_size=batch_size, seed=seed)
+                  seed: int = 0, granularity: str = "layer") -> ModelPackage:
+    """Trace ``model`` (a zoo name or module:callable) at ``granularity`` (layer, block or op: the schedulable nodes)
+    and write its archive into ``cache_dir`` (InputError)."""
+    source = ModelSource(model, batch_size=batch_size, seed=seed, granularity=granularity)
     resolved = source.resolve()
     traced, bundle = resolved.traced, resolved.bundle
     if traced is None or traced.exported is None or bundle is None:

@@ -96,7 +96,7 @@ class Planner:
         self._local_profile = None
         self.solve_count = 0  # solves actually run (cache misses), for tests and logs
 
-    def package(self, model: str, batch_size: int | None, seed: int):
+    def package(self, model: str, batch_size: int | None, seed: int, granularity: str = "layer"):
         """A zoo model traced here (memoized). A module:callable would be the operator's code: refused, never imported
         (any other name is looked up in the zoo only, and an unknown one is refused listing the zoo's names)."""
         from host.graph.resolve import POET2022_PREFIX
@@ -106,14 +106,14 @@ class Planner:
                           f"model {model[:200]!r} is not a zoo model (see `poet models`); the coordinator never "
                           "imports an operator's code: `poet run --model module:callable` traces it on your side and "
                           "uploads the archive (update poet-edge on the machine you submit from)")
-        key = (model, batch_size, seed)
+        key = (model, batch_size, seed, granularity)
         with self._package_lock:
             package = self._packages.get(key)
             if package is None:
                 packager = self._packager
                 if packager is None:
                     from host.fleet.model_package import package_model as packager
-                package = packager(model, self.models_dir, batch_size=batch_size, seed=seed)
+                package = packager(model, self.models_dir, batch_size=batch_size, seed=seed, granularity=granularity)
                 self._packages[key] = package
             return package
 
@@ -121,7 +121,7 @@ class Planner:
         """The package a submission names: the operator's uploaded archive, checked as a board checks it, or a zoo
         model traced here."""
         if not request.HasField("uploaded_model"):
-            return self.package(request.model, request.batch_size or None, request.seed)
+            return self.package(request.model, request.batch_size or None, request.seed, request.granularity or "layer")
         try:
             return self.state.uploads.package(request.model or request.uploaded_model.digest[:12], request.uploaded_model)
         except UploadError as error:
@@ -134,7 +134,8 @@ class Planner:
 
         if spec.get("graph"):
             return TrainingGraph.from_dict(spec["graph"])
-        return self.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0)).graph
+        return self.package(spec["model"], spec.get("batch_size") or None, int(spec.get("seed") or 0),
+                            spec.get("granularity") or "layer").graph
 
     def board_profile(self, agent, pinned_version: int = 0):
         """(profile, which) for a board: a pinned stored version, else its latest stored version, else the shipped
@@ -257,6 +258,16 @@ class Planner:
         if kind is None or optimizer is None or collect is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
         runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
+        from host.run.sources import GRANULARITIES
+
+        if request.granularity and request.granularity not in GRANULARITIES:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"granularity {request.granularity[:40]!r} is not one of {', '.join(GRANULARITIES)}")
+        if request.compile and kind != "train":
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"--compile runs the node functions through inductor, whose fused kernels round differently "
+                          f"from eager's; a {kind} job runs uncompiled: drop --compile"
+                          + (" (verify compares bitwise with eager)" if kind == "verify" else ""))
         if request.no_paging and request.no_remat:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            "--no-paging and --no-remat together leave only plain training: give at most one "
@@ -286,6 +297,7 @@ class Planner:
             "ram_budget": json.loads(serde.json_format.MessageToJson(request.ram_budget)) if kind != "profile" else None,
             "profile_version": request.profile_version or None,
             "paging": not request.no_paging, "remat": not request.no_remat,
+            "granularity": request.granularity or "layer", "compile": request.compile,
         }
         plans: list[BoardPlan] = []
         solve_problems: dict[str, dict[str, Any]] = {}

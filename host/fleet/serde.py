@@ -235,7 +235,7 @@ def job_message(spec: dict[str, Any], *, job_id: str, run_id: str, kind: str, sc
         optimizer=OPTIMIZER_TO_PB[spec.get("optimizer", "sgd")], lr=float(spec.get("lr") or 0.0),
         dataset=spec.get("dataset") or "", collect=COLLECT_TO_PB[spec.get("collect", "none")],
         seed=int(spec.get("seed") or 0), batch_size=int(spec.get("batch_size") or 0),
-        checkpoint_every_steps=int(spec.get("checkpoint_every_steps") or 0),
+        checkpoint_every_steps=int(spec.get("checkpoint_every_steps") or 0), compile=bool(spec.get("compile")),
     )
     if spec.get("grouping_json"):
         job.grouping.CopyFrom(grouping_from_json(spec["grouping_json"]))

@@ -177,8 +177,8 @@ class Coordinator:
     def board_profile(self, agent, pinned_version: int = 0):
         return self.planning.board_profile(agent, pinned_version)
 
-    def package(self, model: str, batch_size: int | None, seed: int):
-        return self.planning.package(model, batch_size, seed)
+    def package(self, model: str, batch_size: int | None, seed: int, granularity: str = "layer"):
+        return self.planning.package(model, batch_size, seed, granularity)
 
     def job_graph(self, spec: dict[str, Any]):
         return self.planning.job_graph(spec)

@@ -182,3 +182,24 @@ def test_an_older_two_file_checkpoint_still_resumes_and_a_mixed_pair_starts_over
     assert run.load_checkpoint(torch.nn.Linear(3, 2), torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1))["step"] == 20
     (run.dir / "checkpoint.json").write_text(json.dumps({**meta, "step": 30}))
     assert run.load_checkpoint(module, optimizer) is None
+
+
+@pytest.mark.slow  # inductor compiles each node's forward and backward at the first step (tens of seconds)
+def test_a_compile_job_trains_through_inductor(material, tmp_path, monkeypatch):
+    """`poet run --compile`: the board runs the node functions through inductor (its kernels land in inductor's
+    cache); without the flag nothing is compiled."""
+    root, package, schedule = material
+    cache = tmp_path / "inductor-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    logged: list[str] = []
+    runner, sink = _runner(root, "state-plain-2")
+    runner.log = logged.append
+    plain = runner.run(_job(package, schedule, "plain", steps=3), package.path, sink.for_run("plain"), threading.Event())
+    assert plain.status == fleet_pb2.RUN_STATUS_DONE and not cache.exists()
+    runner, sink = _runner(root, "state-compiled")
+    runner.log = logged.append
+    compiled = runner.run(_job(package, schedule, "compiled", steps=3, compile=True), package.path,
+                          sink.for_run("compiled"), threading.Event())
+    assert compiled.status == fleet_pb2.RUN_STATUS_DONE and len(compiled.loss_per_step) == 3
+    assert any("through inductor" in line for line in logged) and not any("could not compile" in line for line in logged)
+    assert any(cache.rglob("*.py")), "inductor wrote no kernels"

@@ -588,3 +588,19 @@ def test_malformed_dataset_facts_are_refused_at_register(cert_dir, coordinator, 
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, error.details()), error.details()
     assert coordinator.store.list_agents() == []
+
+
+def test_a_run_at_block_granularity_with_compile_reaches_the_board_so(cert_dir, coordinator):
+    board = register(cert_dir, coordinator.port, "pi-1")
+    [run] = submit(cert_dir, coordinator.port, agents=["pi-1"], granularity="block", compile=True)
+    job = board.PullJob(fleet_pb2.PullJobRequest(wait_s=5), timeout=TIMEOUT_S).job
+    assert job.run_id == run.run_id and job.compile and job.grouping.granularity == "block"
+    layer = submit(cert_dir, coordinator.port, agents=["pi-1"])  # the default: layer nodes, uncompiled
+    spec = coordinator.coordinator.spec(coordinator.store.get_run(layer[0].run_id).job_id)
+    assert (spec["granularity"], spec["compile"]) == ("layer", False)
+    assert coordinator.coordinator.spec(coordinator.store.get_run(run.run_id).job_id)["granularity"] == "block"
+    error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1"], kind=fleet_pb2.JOB_KIND_VERIFY,
+                                   compile=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "bitwise" in error.details()
+    error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1"], granularity="neuron"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "layer, block, op" in error.details()
