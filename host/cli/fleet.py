@@ -52,7 +52,7 @@ def cmd_fleet_remove(args, console: Console, op: OperatorClient) -> int:
     reply = op.call("RemoveAgent", op.pb.RemoveAgentRequest(name=args.name))
     if not reply.removed:
         raise CliError(f"no agent named {args.name!r} (see `poet fleet list`)")
-    console.print(f"removed {args.name}: its certificate is refused from now on; its queued and running runs failed")
+    console.print(f"removed {args.name}: its certificate is refused from now on; its solving, queued and running runs failed")
     return EXIT_OK
 
 
@@ -83,7 +83,7 @@ def _register_fleet(sub: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=cmd_fleet_list)
     remove = fleet_sub.add_parser("remove", help="remove a board: its certificate is refused from then on",
                                   description="Remove a board from the registry. Its certificate is refused from "
-                                              "then on; its queued and running runs fail. Exit 2 if there is no such "
+                                              "then on; its solving, queued and running runs fail. Exit 2 if there is no such "
                                               "board.", epilog=OPERATOR_EPILOG)
     remove.add_argument("name", metavar="NAME")
     operator_args(remove)
