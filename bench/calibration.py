@@ -244,7 +244,9 @@ def _plots(directory: Path, state_dir: Path, report: dict, log) -> None:
             return graphs[key]
 
         def schedule_for_run(record):
-            return schedule_from_json(specs[record.run_id]["schedules"][record.metrics["schedule_key"]])
+            key = record.metrics["schedule_key"]
+            stored = (specs[record.run_id].get("schedules") or {}).get(key)  # jobs of older releases
+            return schedule_from_json(stored or store.get_solve(key).result["schedule_json"])
 
         runs = runs_from_store(store, run_ids, graph_for_run, schedule_for_run)
     finally:

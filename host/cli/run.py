@@ -91,6 +91,9 @@ def cmd_run(args, console: Console, op: OperatorClient) -> int:
     return EXIT_RUN_FAILED if any(e["status"] in (RunStatus.FAILED, RunStatus.DOES_NOT_FIT) for e in entries) else EXIT_OK
 
 
+SOLVER_HINT_AFTER_S = 180.0  # a submission none of whose schedules is solved by then may have no worker
+
+
 def _wait_solved(op: OperatorClient, runs: list, console: Console) -> list:
     """Poll the runs whose schedules are being solved until each has its schedule (or does not fit); progress on
     stderr."""
@@ -104,8 +107,11 @@ def _wait_solved(op: OperatorClient, runs: list, console: Console) -> list:
             if time.monotonic() - started > POLL_INTERVAL_S:
                 console.log(f"schedules solved in {time.monotonic() - started:.0f} s")
             return [latest[r.run_id] for r in runs]
-        console.status.line(f"  solving schedules: {len(solving)} of {len(latest)} run(s) waiting, "
-                            f"{time.monotonic() - started:.0f} s (--detach returns without waiting)")
+        waited_s = time.monotonic() - started
+        hint = ("; none solved yet: is a solver worker running (`poet serve --solver-workers`, `poet solver-worker`)?"
+                if waited_s > SOLVER_HINT_AFTER_S and len(solving) == len(latest) else "")
+        console.status.line(f"  solving schedules: {len(solving)} of {len(latest)} run(s) waiting, {waited_s:.0f} s "
+                            f"(Ctrl-C or --detach: the runs go on){hint}")
         time.sleep(POLL_INTERVAL_S)
         for run_id in solving:
             latest[run_id] = op.call("GetRun", op.pb.GetRunRequest(run_id=run_id))

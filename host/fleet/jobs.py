@@ -53,8 +53,10 @@ class Jobs:
             job = self.next_job(agent)
             if job is not None:
                 return job
-            # a run waiting for a schedule that another process may solve (`poet solver-worker`): look again soon
-            solving = bool(self.store.list_runs(agent=agent, status=RunStatus.SOLVING))
+            # SQLite: a run waiting for a schedule that another process may solve (`poet solver-worker`), which
+            # cannot wake this one: look again soon (PostgreSQL's NOTIFY wakes it; this coordinator's own solves do)
+            solving = (self.store.backend == "sqlite"
+                       and bool(self.store.list_runs(agent=agent, status=RunStatus.SOLVING)))
             with state.work:
                 while state.generation == generation and context.is_active() and not replaced():
                     remaining = deadline - time.monotonic()

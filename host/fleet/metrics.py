@@ -15,7 +15,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RunMetrics:
-    schedule_key: str | None = None  # the key of the run's schedule among its job's (None: PROFILE, does_not_fit)
+    schedule_key: str | None = None  # its schedule's key in the store's solves (None: PROFILE, below the floor)
     min_ram_budget_bytes: int | None = None  # the schedule's hard floor on this board
     recomputes: int = 0  # the schedule's, per step
     page_ins: int = 0

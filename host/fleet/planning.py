@@ -223,12 +223,13 @@ class Planner:
         the answer before going on); (plan, schedule JSON or None). The result is stored as a queued solve's is, so
         a submission of the same case takes it without solving again."""
         plan = self.board_case(agent, graph, request, optimizer, runtime_factor)
-        if plan.status == RunStatus.SOLVING:
-            result = self.solve(plan.problem)
-            self.store.record_solve(plan.schedule_key, plan.problem, result)
-            plan = plan_from_result(agent.name, plan.profile, plan.ram_budget_bytes, plan.min_ram_budget_bytes,
-                                    plan.schedule_key, result)
-        return plan, self.state.schedule_json({}, plan.schedule_key) if plan.status == RunStatus.QUEUED else None
+        if plan.status != RunStatus.SOLVING:
+            return plan, self.state.schedule_json({}, plan.schedule_key) if plan.status == RunStatus.QUEUED else None
+        result = self.solve(plan.problem)
+        self.store.record_solve(plan.schedule_key, plan.problem, result)
+        plan = plan_from_result(agent.name, plan.profile, plan.ram_budget_bytes, plan.min_ram_budget_bytes,
+                                plan.schedule_key, result)
+        return plan, result.get("schedule_json")
 
     def targets(self, request) -> list:
         known = {a.name: a for a in self.store.list_agents()}

@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from host.fleet.status import RunStatus
 from host.fleet.store import RunStore, SolveRecord
 
 log = logging.getLogger("poet.fleet")
+_FINISH_ATTEMPTS = 4  # storing a result: tries, 0.5, 1 and 2 s apart
 
 
 def solve_problem(problem: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +106,7 @@ process queued wakes it at once; on SQLite that poll is how such solves are foun
         self._on_solved = on_solved or (lambda runs: None)
         self.lease_s = lease_s
         self.idle_poll_s = idle_poll_s
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"  # unique per pool
         self._stop = threading.Event()
         self._work = threading.Condition()
         self._pending_wakes = 0
@@ -160,7 +162,19 @@ process queued wakes it at once; on SQLite that poll is how such solves are foun
             if claimed is None:
                 self._idle()
                 continue
-            self._run(worker, claimed)
+            if self._stop.is_set():  # stopped while claiming: hand it back now rather than at the lease's end
+                self.store.release_solve(claimed.schedule_key, worker)
+                return
+            try:
+                self._run(worker, claimed)
+            except Exception as error:  # the store refused the result: hand the solve back, keep the worker alive
+                log.exception("solver worker %s could not store solve %s", worker, claimed.schedule_key)
+                try:
+                    self.store.release_solve(claimed.schedule_key, worker)
+                except Exception:
+                    log.warning("solve %s goes back to the queue when its lease runs out: %s", claimed.schedule_key,
+                                error)
+                self._stop.wait(self.idle_poll_s)
 
     def _run(self, worker: str, claimed: SolveRecord) -> None:
         key = claimed.schedule_key
@@ -182,11 +196,23 @@ process queued wakes it at once; on SQLite that poll is how such solves are foun
                 self._held.pop(key, None)
         if self._stop.is_set():
             return  # handed back to the queue by stop(); the store may be closed
-        changed = self.store.finish_solve(key, result)
+        changed = self._finish(key, result)
         self.solved += 1
         log.info("solved %s: %s (%d run(s) waiting took it)", claimed.problem.get("label") or key, result["status"],
                  len(changed))
         self._on_solved(changed)
+
+    def _finish(self, key: str, result: dict[str, Any]) -> list:
+        """Store the result, trying again a few times when the store is briefly busy or unreachable."""
+        for attempt in range(_FINISH_ATTEMPTS):
+            try:
+                return self.store.finish_solve(key, result)
+            except Exception as error:
+                if attempt == _FINISH_ATTEMPTS - 1:
+                    raise
+                log.warning("storing solve %s failed (%s); trying again", key, error)
+                time.sleep(0.5 * 2 ** attempt)
+        return []
 
     def _renew(self, key: str, worker: str, done: threading.Event) -> None:
         while not done.wait(self.lease_s / 3):

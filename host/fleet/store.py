@@ -522,11 +522,11 @@ class RunStore:
             for run in run_specs:
                 _refuse_removed(self._agent_row(conn, run["agent"]))
                 _insert_run(conn, run, job_id, kind, now_s)
-            for key, problem in (solve_problems or {}).items():
-                row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).first()
-                if row is None:
-                    self._insert_solve(conn, key, problem, now_s)
-                elif row.state == "done":
+            problems = solve_problems or {}
+            for key in sorted(problems):  # one order for every writer: no two transactions wait on each other's rows
+                self._insert_solve(conn, key, problems[key], now_s)  # unless another writer stored it first
+                row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).one()
+                if row.state == "done":
                     _apply_solve(conn, key, row.result, now_s)
             self._notify_work(conn)
             return [_run(self._run_row(conn, run["run_id"])) for run in run_specs]
@@ -612,10 +612,16 @@ class RunStore:
 
     def record_solve(self, key: str, problem: Mapping[str, Any], result: Mapping[str, Any],
                      now_s: float | None = None) -> None:
-        """A solve done outside the queue (solved on the caller's thread): kept for the submissions that need it."""
+        """A solve done outside the queue (solved on the caller's thread): kept for the submissions that need it, and
+        applied to runs already waiting for it (a queued row it finishes). A failed solve is not kept."""
+        if result.get("status") == RunStatus.FAILED:
+            return
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
             self._insert_solve(conn, key, problem, now_s, result)
+            row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).one()
+            if row.state != "done":
+                self._finish(conn, key, result, now_s)
 
     def claim_solve(self, worker: str, lease_s: float, now_s: float | None = None) -> SolveRecord | None:
         """The oldest pending solve, or one whose worker's lease ran out, claimed for ``worker`` until now +
@@ -653,18 +659,27 @@ class RunStore:
 
     def finish_solve(self, key: str, result: Mapping[str, Any], now_s: float | None = None) -> list[RunRecord]:
         """Store a solve's result and apply it to every run waiting for it, in one transaction; the runs changed.
-        The first result stored stands (a worker whose lease ran out may finish after the one that took over)."""
+        The first result stored stands (a worker whose lease ran out may finish after the one that took over).
+
+        A schedule or a proof that none fits is kept for later submissions of the same case. A failed solve (the
+        solver stopped with nothing, or raised) fails the runs waiting now and is forgotten, so the next
+        submission of the case is solved again."""
         now_s = _now_s() if now_s is None else now_s
         with self._write() as conn:
             row = conn.execute(sa.select(solves).where(solves.c.schedule_key == key).with_for_update()).first()
-            if row is None:
-                raise StoreError(f"no solve {key!r}")
-            if row.state == "done":
-                return []
+            if row is None or row.state == "done":
+                return []  # done already, or a failure forgotten already
+            return self._finish(conn, key, result, now_s)
+
+    def _finish(self, conn: sa.Connection, key: str, result: Mapping[str, Any], now_s: float) -> list[RunRecord]:
+        changed = _apply_solve(conn, key, dict(result), now_s)
+        if result.get("status") == RunStatus.FAILED:
+            conn.execute(sa.delete(solves).where(solves.c.schedule_key == key))
+        else:
             conn.execute(sa.update(solves).where(solves.c.schedule_key == key).values(
                 state="done", result=dict(result), finished_at_s=now_s, lease_until_s=None))
-            self._notify_work(conn)
-            return _apply_solve(conn, key, dict(result), now_s)
+        self._notify_work(conn)
+        return changed
 
     def _notify_work(self, conn: sa.Connection) -> None:
         """PostgreSQL: tell every process listening on the store (:meth:`listen_for_work`) that work was queued; sent
@@ -914,16 +929,22 @@ def _insert_run(conn: sa.Connection, run: Mapping[str, Any], job_id: str, kind: 
 
 def _apply_solve(conn: sa.Connection, key: str, result: Mapping[str, Any], now_s: float) -> list[RunRecord]:
     """A solve's result onto the runs waiting for it (status solving, metrics.schedule_key ``key``)."""
+    # Read without locks and filter here (the key is inside the metrics JSON); each UPDATE locks only a run of this
+    # key and re-checks that it is still solving, so solves of other keys never wait on each other's runs.
     changed = []
-    waiting = conn.execute(sa.select(runs).where(runs.c.status == RunStatus.SOLVING.value).with_for_update()).all()
-    for row in waiting:
+    waiting = conn.execute(sa.select(runs).where(runs.c.status == RunStatus.SOLVING.value)).all()
+    changes = _check_metrics(result.get("metrics") or {})
+    for row in sorted(waiting, key=lambda r: r.run_id):
         if row.metrics.get("schedule_key") != key:
             continue
-        conn.execute(sa.update(runs).where(runs.c.run_id == row.run_id).values(
+        updated = conn.execute(sa.update(runs).where(
+            runs.c.run_id == row.run_id, runs.c.status == RunStatus.SOLVING.value,
+        ).values(
             status=_check_status(result["status"]), schedule_fingerprint=result.get("schedule_fingerprint"),
             predicted=result.get("predicted"), detail=result.get("detail"), updated_at_s=now_s,
-            metrics={**row.metrics, **_check_metrics(result.get("metrics") or {})}))
-        changed.append(row.run_id)
+            metrics={**row.metrics, **changes})).rowcount
+        if updated:
+            changed.append(row.run_id)
     return [_run(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one()) for run_id in changed]
 
 

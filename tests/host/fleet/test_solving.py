@@ -190,3 +190,26 @@ def test_on_a_shared_postgresql_store_a_board_polling_one_coordinator_wakes_for_
     finally:
         polled.stop(grace_s=0)
         solving.stop(grace_s=0)
+
+
+def test_a_solver_worker_outlives_a_result_the_store_refuses(tmp_path):
+    """The store refuses the first result (a metric that is not one); the worker hands the solve back, stays alive
+    and stores the next result."""
+    import time
+
+    results = iter([{"status": "queued", "metrics": {"not_a_metric": 1}},
+                    {"status": "queued", "schedule_json": "{}", "schedule_fingerprint": "f", "metrics": {}}])
+    with RunStore(sqlite_url(tmp_path)) as store:
+        store.register_agent("pi-1", "a72", {})
+        store.create_submission("j1", "train", {}, [{"run_id": "r1", "agent": "pi-1", "status": "solving",
+                                                     "metrics": {"schedule_key": "k1"}}],
+                                solve_problems={"k1": {"label": "k1"}})
+        pool = SolverPool(store, 1, solve=lambda problem: next(results), idle_poll_s=0.05).start()
+        try:
+            deadline = time.monotonic() + 30
+            while store.get_run("r1").status == "solving":
+                assert time.monotonic() < deadline, "the worker died with the refused result"
+                time.sleep(0.05)
+        finally:
+            pool.stop()
+        assert store.get_run("r1").schedule_fingerprint == "f"

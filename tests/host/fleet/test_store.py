@@ -591,3 +591,21 @@ def test_workers_claiming_at_once_each_get_a_different_solve(store):
     keys = [c.schedule_key for c in claims if c is not None]
     assert sorted(keys) == sorted(f"k{i}" for i in range(12))  # every solve claimed exactly once
     assert store.claim_solve("late", lease_s=30) is None
+
+
+def test_a_failed_solve_fails_the_runs_waiting_and_is_solved_again_next_time(store):
+    _solving_submission(store, "j1", {"pi-1": "k1"})
+    store.claim_solve("w1", lease_s=30)
+    [failed] = store.finish_solve("k1", {"status": "failed", "detail": "the solver found no schedule (timeout)"})
+    assert failed.status == "failed" and "timeout" in failed.detail
+    assert store.list_solves() == []  # forgotten: a failure is not an answer
+    [again] = _solving_submission(store, "j2", {"pi-1": "k1"})
+    assert again.status == "solving" and [s.state for s in store.list_solves()] == ["pending"]
+
+
+def test_a_solve_recorded_outside_the_queue_reaches_the_runs_already_waiting_for_it(store):
+    _solving_submission(store, "j1", {"pi-1": "k1"})
+    store.record_solve("k1", {"label": "k1"}, QUEUED_RESULT)  # e.g. calibration solved the same case meanwhile
+    run = store.get_run("j1-pi-1")
+    assert (run.status, run.schedule_fingerprint) == ("queued", "f1")
+    assert store.get_solve("k1").state == "done"
