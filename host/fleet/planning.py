@@ -318,7 +318,8 @@ class Planner:
             spec.update(model_digest=package.digest, model_size_bytes=package.size_bytes,
                         grouping_json=serde.grouping_to_json(package.grouping), batch_size=package.batch_size,
                         graph_fingerprint=package.graph.fingerprint(), graph=package.graph.to_dict(),
-                        uploaded=request.HasField("uploaded_model"))
+                        uploaded=request.HasField("uploaded_model"),
+                        granularity=package.grouping.granularity or spec["granularity"])  # an upload's, as traced
         job_id = f"job-{uuid.uuid4().hex[:12]}"
         run_specs = []
         for plan in plans:
