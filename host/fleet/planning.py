@@ -72,7 +72,7 @@ def plan_from_result(agent: str, which: dict[str, Any] | None, budget: int | Non
     """A board's plan from a solve's result (host.fleet.solving.solve_problem)."""
     return BoardPlan(agent, RunStatus(result["status"]), budget, floor, schedule_key,
                      result.get("schedule_fingerprint"), result.get("predicted"),
-                     {k: v for k, v in (result.get("metrics") or {}).items()}, result.get("detail"), which)
+                     dict(result.get("metrics") or {}), result.get("detail"), which)
 
 
 class Planner:
@@ -252,6 +252,7 @@ class Planner:
 
     def submit(self, request) -> list:
         from host.run.errors import UserError
+        from host.run.sources import GRANULARITIES
 
         kind = serde.JOB_KIND_FROM_PB.get(request.kind or fleet_pb2.JOB_KIND_TRAIN)
         optimizer = serde.OPTIMIZER_FROM_PB.get(request.optimizer or fleet_pb2.OPTIMIZER_SGD)
@@ -259,8 +260,6 @@ class Planner:
         if kind is None or optimizer is None or collect is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
         runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
-        from host.run.sources import GRANULARITIES
-
         if request.granularity and request.granularity not in GRANULARITIES:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"granularity {request.granularity[:40]!r} is not one of {', '.join(GRANULARITIES)}")

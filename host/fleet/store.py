@@ -141,7 +141,6 @@ solves = sa.Table(  # revision 0004
     sa.Column("created_at_s", sa.Float(), nullable=False),
     sa.Column("finished_at_s", sa.Float(), nullable=True),
 )
-SOLVE_STATES = ("pending", "claimed", "done")
 
 
 @dataclass(frozen=True)
@@ -714,10 +713,6 @@ class RunStore:
         thread = threading.Thread(target=listen, daemon=True, name="poet-store-listen")
         thread.start()
         return thread
-
-    def solving_runs(self) -> list[RunRecord]:
-        """The runs waiting for a schedule."""
-        return self.list_runs(status=RunStatus.SOLVING)
 
     # -- telemetry events ------------------------------------------------------------------------
 
