@@ -2,7 +2,8 @@
 
 The one place the rules of a schedule live: a computation needs its inputs in RAM, a page-in
 needs a flash copy, a free needs the copy it frees, every node is computed, every tensor is freed
-by the end of the step, and the controlled RAM never exceeds the budget. The host's validator
+by the end of the step, and the controlled RAM never exceeds the budget, not even while a node's
+computation holds its temporaries (its workspace). The host's validator
 prices the result; the device's executor checks a schedule with it before training.
 """
 
@@ -31,6 +32,7 @@ class ReplayNode(Protocol):
     name: str
     output_bytes: int
     deps: tuple[int, ...]
+    workspace_bytes: int  # held only while it is computed (0: none)
 
 
 @dataclass
@@ -62,6 +64,11 @@ def check_schedule_matches(schedule: Schedule, fingerprint: str, node_names: Seq
         for position, (listed, name) in enumerate(zip(schedule.nodes, node_names, strict=True)):
             if listed.name != name:
                 raise ScheduleMismatchError(f"schedule node {position} is named {listed.name!r}, graph node is {name!r}")
+
+
+def instruction_workspace_bytes(nodes: Sequence[ReplayNode], instructions: Sequence[Instruction]) -> list[int]:
+    """Per instruction, the bytes it holds only while it runs: a compute's workspace, 0 for the rest."""
+    return [nodes[i.node].workspace_bytes if i.kind == "compute" else 0 for i in instructions]
 
 
 def replay(
@@ -96,6 +103,7 @@ def replay(
         if ins.location not in ("ram", "flash"):
             fail(position, f"unknown location {ins.location!r}")
         node = nodes[ins.node]
+        during_bytes = None
         if ins.kind == "compute":
             missing = [nodes[d].name for d in node.deps if d not in in_ram]
             if missing:
@@ -109,6 +117,13 @@ def replay(
             in_ram.add(ins.node)
             counts[ins.node] = counts.get(ins.node, 0) + 1
             ram_bytes += node.output_bytes
+            # While it runs, a computation also holds its temporaries (its workspace), gone when it returns.
+            during_bytes = ram_bytes + node.workspace_bytes
+            if (node.workspace_bytes and ram_budget_bytes is not None
+                    and during_bytes > ram_budget_bytes * (1 + RELATIVE_SLACK)):
+                fail(position, f"while {node.name!r} is computed, controlled RAM is {during_bytes} bytes (with its "
+                               f"{node.workspace_bytes} bytes of temporaries): it exceeds the budget of "
+                               f"{ram_budget_bytes:.0f} bytes")
         elif ins.kind == "page_out":
             if ins.node not in in_ram:
                 fail(position, f"cannot page out {node.name!r}: not in RAM")
@@ -136,7 +151,7 @@ def replay(
                 ram_bytes -= node.output_bytes
             else:
                 flash_bytes -= node.output_bytes
-        peak_ram_bytes = max(peak_ram_bytes, ram_bytes)
+        peak_ram_bytes = max(peak_ram_bytes, ram_bytes if during_bytes is None else during_bytes)
         timeline.append(ram_bytes)
         if ram_budget_bytes is not None and ram_bytes > ram_budget_bytes * (1 + RELATIVE_SLACK):
             fail(position, f"controlled RAM {ram_bytes} bytes exceeds the budget of {ram_budget_bytes:.0f} bytes")

@@ -28,6 +28,7 @@ class ScheduleNode:
     kind: str
     output_bytes: int
     deps: tuple[int, ...]
+    workspace_bytes: int = 0  # held only while it is computed: its temporaries beyond inputs and output
 
 
 @dataclass

@@ -52,7 +52,8 @@ def schedule_to_proto(schedule: Schedule):
         solve=_pb.SolveInfo(**{f: getattr(schedule.solve, f) for f in _SOLVE_FIELDS}),
     )
     for node in schedule.nodes:
-        message.nodes.add(name=node.name, kind=node.kind, output_bytes=node.output_bytes, deps=list(node.deps))
+        message.nodes.add(name=node.name, kind=node.kind, output_bytes=node.output_bytes, deps=list(node.deps),
+                          workspace_bytes=node.workspace_bytes)
     for ins in schedule.instructions:
         message.instructions.add(kind=_KIND_TO_PB[ins.kind], node=ins.node, location=_LOCATION_TO_PB[ins.location])
     return message
@@ -70,7 +71,7 @@ def schedule_from_proto(message) -> Schedule:
         format_version=message.format_version,
         graph_name=message.graph_name,
         graph_fingerprint=message.graph_fingerprint,
-        nodes=[ScheduleNode(n.name, n.kind, n.output_bytes, tuple(n.deps)) for n in message.nodes],
+        nodes=[ScheduleNode(n.name, n.kind, n.output_bytes, tuple(n.deps), n.workspace_bytes) for n in message.nodes],
         instructions=instructions,
         platform=message.platform,
         ram_budget_bytes=message.ram_budget_bytes,
@@ -190,7 +191,8 @@ def partition_spec_from_proto(grouping, schedule: Schedule):
             pinned_internals=group.pinned_internals,
         ))
     nodes = tuple(
-        PartitionNode(i, n.name, n.kind, tuple(n.deps), n.output_bytes, forward_of.get(i)) for i, n in enumerate(schedule.nodes)
+        PartitionNode(i, n.name, n.kind, tuple(n.deps), n.output_bytes, forward_of.get(i), n.workspace_bytes)
+        for i, n in enumerate(schedule.nodes)
     )
     missing = [n.name for n in nodes if n.kind == "bwd" and n.forward_index is None]
     if missing:

@@ -352,12 +352,14 @@ class ScheduleExecutor:
             if instrumented or op.kind == "compute" or op.kind == "page_in":  # frees and page-outs cannot raise RSS
                 rss_bytes = self.rss.rss_bytes()
                 rss_peak = max(rss_peak, rss_bytes)
+            # A compute also held its workspace (the temporaries the trace measured) while it ran.
+            held_bytes = self.ram.hold_workspace(nodes[op.node].workspace_bytes if op.kind == "compute" else 0)
             if self.enforce_budget and self.ram_budget_bytes and (
-                self.ram.in_use_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
+                held_bytes > self.ram_budget_bytes * (1 + RELATIVE_SLACK)
             ):
                 raise BudgetExceededError(
-                    f"tracked RAM {self.ram.in_use_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "
-                    f"bytes after instruction {position} ({op.kind} {nodes[op.node].name!r})"
+                    f"tracked RAM {held_bytes} bytes exceeds the budget of {self.ram_budget_bytes:.0f} "
+                    f"bytes at instruction {position} ({op.kind} {nodes[op.node].name!r})"
                 )
             if notes is not None:
                 notes.in_use_bytes.append(self.ram.in_use_bytes)

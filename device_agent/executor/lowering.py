@@ -212,14 +212,17 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
     writing: set[int] = set()  # nodes whose page-out is in flight
     in_use = list(notes.in_use_bytes)
-    writes_after, reads_before = transfer_starts(ops, in_use, ram_budget_bytes) if overlap else ({}, {})
+    workspace = [nodes[op.node].workspace_bytes if op.kind == "compute" else 0 for op in ops]
+    writes_after, reads_before = (transfer_starts(ops, in_use, ram_budget_bytes, workspace) if overlap
+                                  else ({}, {}))
     ns["_plain"] = plain_run
     ns["_acc"] = accumulate_grad
     ns["_rt"] = runtime
     ns["_view"] = _view
     ns["_trim"] = trim
-    peak = max(in_use, default=0)
-    rss_position = in_use.index(peak) if in_use else 0
+    held = [u + w for u, w in zip(in_use, workspace, strict=True)]
+    peak = max(held, default=0)
+    rss_position = held.index(peak) if held else 0
     body = src.line
 
     def start_page_out(page_out: int) -> None:

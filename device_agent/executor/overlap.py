@@ -22,19 +22,22 @@ class Op(Protocol):
     location: str
 
 
-def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: float
-                    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: float,
+                    workspace: Sequence[int] | None = None) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """Where transfers start when they overlap compute: ``(writes_after, reads_before)``, by instruction position.
 
     Page-outs start after the instruction that completed their entry (never before a page file is deleted:
     flash holds at most the schedule's peak); page-ins start before the earliest instruction from which their
     buffers fit under the step's tracked peak (and the budget) until they are needed. ``in_use`` (tracked RAM
     after each instruction) is raised in place by each prefetch's bytes: a buffer is charged from its start.
+    ``workspace`` (bytes an instruction holds only while it runs: a compute's temporaries) counts too: a
+    prefetched buffer must fit beside them.
     """
+    held = workspace if workspace is not None else [0] * len(in_use)
     writes_after: dict[int, list[int]] = {}
     reads_before: dict[int, list[int]] = {}
     # never above the step's peak as interpreted (which the schedule's prediction bounds), nor the budget
-    peak = max(in_use, default=0)
+    peak = max((u + w for u, w in zip(in_use, held, strict=True)), default=0)
     limit = min(ram_budget_bytes, peak) if ram_budget_bytes else peak
     last_made: dict[int, int] = {}  # node -> last instruction that (re)created its entry
     last_ram_free: dict[int, int] = {}
@@ -48,7 +51,8 @@ def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: floa
             delta = in_use[position] - (in_use[position - 1] if position else 0)
             lowest = last_ram_free.get(op.node, -1) + 1
             start = position
-            while start - 1 >= lowest and start - 2 >= 0 and in_use[start - 2] + delta <= limit:
+            while (start - 1 >= lowest and start - 2 >= 0 and in_use[start - 2] + held[start - 2] + delta <= limit
+                   and in_use[start - 1] + held[start - 1] + delta <= limit):
                 start -= 1
             if start < position:
                 reads_before.setdefault(start, []).append(position)
@@ -64,7 +68,7 @@ def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: floa
 
 
 def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Sequence[int], ram_budget_bytes: float,
-                      overlap: bool = True) -> float:
+                      overlap: bool = True, workspace: Sequence[int] | None = None) -> float:
     """Seconds from a step's first instruction to its last transfer's end, when instruction ``i`` takes
     ``seconds[i]``: computes and RAM frees on the compute thread, page transfers and flash frees on the one I/O
     thread, in program order.
@@ -72,11 +76,11 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
     As the lowered step runs it: a transfer starts where :func:`transfer_starts` puts it (or at its own
     instruction) once the I/O thread is free; the instruction of a page-in waits for its read, and the RAM free
     of a node being written waits for its write. Without ``overlap`` every transfer runs in place, so the step
-    is the plain sum.
+    is the plain sum. ``workspace``: as for :func:`transfer_starts`.
     """
     if not overlap:
         return float(sum(seconds))
-    writes_after, reads_before = transfer_starts(ops, list(in_use), ram_budget_bytes)
+    writes_after, reads_before = transfer_starts(ops, list(in_use), ram_budget_bytes, workspace)
     compute_clock_s = io_clock_s = 0.0
     done_s: dict[int, float] = {}  # position of a transfer -> when it ends
     started: set[int] = set()

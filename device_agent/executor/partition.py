@@ -24,6 +24,7 @@ class PartitionNode:
     deps: tuple[int, ...]
     output_bytes: int
     forward_index: int | None = None  # bwd only: the fwd/loss node it differentiates
+    workspace_bytes: int = 0  # held only while it is computed: its temporaries beyond inputs and output
 
 
 @dataclass

@@ -201,6 +201,14 @@ class RamStore:
         self.peak_bytes = self.in_use_bytes
         self.timeline_bytes = []
 
+    def hold_workspace(self, workspace_bytes: int) -> int:
+        """A computation that just ran also held ``workspace_bytes`` of temporaries: count them in the peak.
+
+        Returns the tracked bytes at that moment (in use plus the workspace)."""
+        held = self.in_use_bytes + workspace_bytes
+        self.peak_bytes = max(self.peak_bytes, held)
+        return held
+
     def _record(self, delta: int) -> None:
         self.in_use_bytes += delta
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)

@@ -50,11 +50,13 @@ class PricedGraph:
         """Seconds of a step of ``instructions`` when its page transfers run behind compute as the executor runs
         them (:func:`device_agent.executor.overlap.overlapped_step_s`); never more than the instructions' sum."""
         from device_agent.executor.overlap import overlapped_step_s
+        from device_agent.replay import instruction_workspace_bytes
 
         seconds = self.instruction_seconds(instructions, free_ram_s, free_flash_s)
         if not any(i.kind == "page_in" for i in instructions):  # nothing to hide behind compute
             return float(sum(seconds))
-        return overlapped_step_s(instructions, seconds, ram_timeline_bytes, ram_budget_bytes or 0.0)
+        return overlapped_step_s(instructions, seconds, ram_timeline_bytes, ram_budget_bytes or 0.0,
+                                 workspace=instruction_workspace_bytes(self.graph.nodes, instructions))
 
     @property
     def base_compute_j(self) -> float:

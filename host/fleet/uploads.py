@@ -195,7 +195,8 @@ class UploadedArchives:
             known = self._checked.get(key)
         if known is not None and known.grouping == uploaded.grouping:
             return known
-        nodes = [SimpleNamespace(name=n.name, kind=n.kind, deps=n.deps, output_bytes=n.output_bytes)
+        nodes = [SimpleNamespace(name=n.name, kind=n.kind, deps=n.deps, output_bytes=n.output_bytes,
+                                 workspace_bytes=n.workspace_bytes)
                  for n in graph.nodes]
         try:
             spec = partition_spec_from_proto(uploaded.grouping, SimpleNamespace(graph_name=graph.name, nodes=nodes))

@@ -52,6 +52,10 @@ class BackwardMeasure:
     grad_bytes: int  # storages of the gradients it returns for its inputs
     grad_inputs: tuple[str, ...]  # inputs that receive a gradient
     saved_groups: tuple[int, ...]  # groups whose outputs its backward reads
+    # Temporaries beyond what each pass keeps (the bytes of storages it made, at their peak, less those alive
+    # at its end): held only while the group's forward, or its backward, runs.
+    forward_workspace_bytes: int = 0
+    workspace_bytes: int = 0
 
 
 @dataclass(frozen=True)

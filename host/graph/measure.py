@@ -9,7 +9,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import sys
+from bisect import bisect_left, bisect_right
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -90,6 +94,76 @@ class GroupRecorder(Interpreter):
         return result
 
 
+class AllocationTimeline:
+    """Every allocation and free of torch's CPU allocator while active (torch.profiler's memory events), and
+    named regions of it: what a region held at its peak beyond what it kept at its end is its workspace.
+
+    These events see inside kernels: a convolution's backward allocates twice its input's bytes of buffers
+    it frees before returning, which neither the outputs nor the ops' own tensors show.
+    """
+
+    _PREFIX = "poet.workspace:"
+
+    def __init__(self) -> None:
+        self._profiler = None
+        self._ranges: dict[str, tuple[int, int]] = {}
+        self._times_ns: list[int] = []
+        self._deltas: list[int] = []
+
+    def __enter__(self) -> AllocationTimeline:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():  # the profiler's library announces its start on stderr
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _quiet_stderr():
+            self._profiler.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        events = self._profiler.profiler.kineto_results.events()
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        self._times_ns = [t for t, _ in memory]
+        self._deltas = [b for _, b in memory]
+        self._ranges = {e.name()[len(self._PREFIX):]: (e.start_ns(), e.end_ns())
+                        for e in events if e.name().startswith(self._PREFIX)}
+        self._profiler = None
+
+    def region(self, name: str):
+        """A context that marks a region (allocations made within it are its own)."""
+        return torch.profiler.record_function(self._PREFIX + name)
+
+    def workspace_bytes(self, name: str) -> int:
+        """Bytes ``name`` held at its peak beyond what it still held at its end (0 for an unknown region).
+
+        A free of memory allocated before the region counts against it: regions that free what they did not
+        allocate (autograd releasing saved tensors) must keep it (``retain_graph=True``)."""
+        if name not in self._ranges:
+            return 0
+        start_ns, end_ns = self._ranges[name]
+        held = peak = 0
+        for delta in self._deltas[bisect_left(self._times_ns, start_ns):bisect_right(self._times_ns, end_ns)]:
+            held += delta
+            peak = max(peak, held)
+        return max(0, peak - held)
+
+
+@contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to /dev/null for the duration (the profiler's C++ library writes there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def dominant_class(facts: Facts) -> str:
     if any(facts.class_flops.values()):
         top = max(facts.class_flops.values())
@@ -107,12 +181,14 @@ def measure_backward(
     formula_flops: int,
     *,
     pin_internals: bool = False,
+    region=lambda name: nullcontext(),
 ) -> BackwardMeasure | None:
     """Re-run one group alone on detached inputs and differentiate it; None when it needs no gradient.
 
     ``receiving``: the output values a gradient flows back into (None: all, for the loss).
     ``pin_internals``: the group's internals are pinned, so only its saved outputs make the backward
-    depend on the group's own node.
+    depend on the group's own node. ``region(name)`` marks the forward (``fwd:<index>``) and the backward
+    (``bwd:<index>``) for an :class:`AllocationTimeline`.
     """
     # An in-place op left on an activation (not a buffer update) must not hit a leaf: feed clones then.
     mutates = any(
@@ -151,7 +227,8 @@ def measure_backward(
         saved.append(tensor)
         return tensor
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            region(f"fwd:{group.index}"):
         outputs = module(*fed)
     differentiable = [
         t
@@ -162,12 +239,14 @@ def measure_backward(
     ]
     if not differentiable or not (leaves or params):
         return None
-    with flop_counter() as counter:
+    grad_outputs = [torch.ones_like(t) for t in differentiable]
+    with flop_counter() as counter, region(f"bwd:{group.index}"):
         grads = torch.autograd.grad(
             differentiable,
             [leaf for _, leaf in leaves] + params,
-            grad_outputs=[torch.ones_like(t) for t in differentiable],
+            grad_outputs=grad_outputs,
             allow_unused=True,
+            retain_graph=True,  # the executor frees saved tensors after the backward, not within it
         )
     input_grads = grads[: len(leaves)]
     output_keys = {k for output in outputs for t in tensors(output) if (k := storage_key(t)) is not None}
@@ -291,6 +370,19 @@ def measure_backwards(
     backward: dict[int, BackwardMeasure] = {}
     upstream: dict[int, list[int]] = {}
     group_modules: dict[int, GraphModule] = {}
+    timeline = AllocationTimeline()
+    with timeline:
+        _measure_each(gm, groups, forward, values, producer, attr_keys, facts, consumers, backward, upstream,
+                      group_modules, timeline.region)
+    for index, measured in backward.items():  # each pass's workspace, from the allocator's own events
+        backward[index] = replace(measured, forward_workspace_bytes=timeline.workspace_bytes(f"fwd:{index}"),
+                                  workspace_bytes=timeline.workspace_bytes(f"bwd:{index}"))
+    return Backwards(backward, upstream, group_modules)
+
+
+def _measure_each(gm, groups, forward, values, producer, attr_keys, facts, consumers, backward, upstream,
+                  group_modules, region) -> None:
+    """The loop of :func:`measure_backwards`: fills ``backward``, ``upstream`` and ``group_modules``."""
     for group in reversed(groups[1:]):
         receiving: set[str] | None = None
         if group.kind != "loss":
@@ -314,10 +406,10 @@ def measure_backwards(
             receiving,
             facts[group.index].formula_flops,
             pin_internals=forward[group.index].pinnable,
+            region=region,
         )
         if measured is not None:
             backward[group.index] = measured
-    return Backwards(backward, upstream, group_modules)
 
 
 def pinned_internals_bytes(forward: list[ForwardMeasure], backward: dict[int, BackwardMeasure]) -> list[int]:

@@ -30,7 +30,7 @@ def partition_spec(traced: TracedModel) -> PartitionSpec:
         for group in traced.groups
     )
     nodes = tuple(
-        PartitionNode(n.index, n.name, n.kind, tuple(n.deps), n.output_bytes, n.forward_index)
+        PartitionNode(n.index, n.name, n.kind, tuple(n.deps), n.output_bytes, n.forward_index, n.workspace_bytes)
         for n in traced.graph.nodes
     )
     return PartitionSpec(

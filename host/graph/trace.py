@@ -199,8 +199,10 @@ def _training_graph(
             if group.index == 0
             else list(dict.fromkeys(interfaces[producer[v]].name for v in group.input_values if v in producer))
         )
+        measured = backwards.by_group.get(group.index)  # a group without a backward was not re-run alone
         builder.add(group.name, group.kind, nbytes, measure.flops, deps, measure.op_class,
-                    op_count=len(group.fx_nodes))
+                    op_count=len(group.fx_nodes),
+                    workspace_bytes=measured.forward_workspace_bytes if measured is not None else 0)
     bwd_index: dict[int, int] = {}
     for group in reversed(interfaces[1:]):
         measured = backwards.by_group.get(group.index)
@@ -210,7 +212,7 @@ def _training_graph(
         deps += [interfaces[g].name for g in measured.saved_groups]
         bwd_index[group.index] = builder.add(
             f"bwd:{group.name}", "bwd", measured.grad_bytes, measured.flops, deps, forward[group.index].op_class,
-            forward_of=group.name, op_count=len(group.fx_nodes),
+            forward_of=group.name, op_count=len(group.fx_nodes), workspace_bytes=measured.workspace_bytes,
         )
     groups = []
     for group, measure, nbytes, pinned_bytes in zip(interfaces, forward, node_bytes, pinned, strict=True):

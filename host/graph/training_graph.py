@@ -1,9 +1,10 @@
 """The TrainingGraph: forward, loss and backward nodes of one training step, in topological order.
 
 Every schedulable quantity lives here: a node's output bytes (what it occupies while kept in RAM),
-its FLOPs and its dependencies. Weights, weight gradients and optimizer state are fixed bytes,
-reported next to the budget and never scheduled. A graph is traced without an optimizer; the state
-of the one training uses is added by :meth:`TrainingGraph.with_optimizer`, from :data:`OPTIMIZER_STATE`.
+its workspace (temporaries held only while it runs), its FLOPs and its dependencies. Weights, weight
+gradients and optimizer state are fixed bytes, reported next to the budget and never scheduled. A graph
+is traced without an optimizer; the state of the one training uses is added by
+:meth:`TrainingGraph.with_optimizer`, from :data:`OPTIMIZER_STATE`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class GraphNode:
     op_class: str = "other"  # cost-model class: conv, matmul, norm, elementwise, pool, loss, input, other
     forward_index: int | None = None  # for a bwd node, the fwd/loss node whose gradient it computes
     op_count: int = 1  # aten ops it runs (a bwd node: its forward's); a calibrated profile charges each a dispatch
+    # Bytes its computation holds for a moment beyond its inputs and output (temporaries, such as a loss's
+    # gradient before the log-softmax backward turns it into the logits' gradient): RAM only while it runs.
+    workspace_bytes: int = 0
 
 
 @dataclass
@@ -67,7 +71,7 @@ class TrainingGraph:
             if node.name in seen_names:
                 raise GraphError(f"duplicate node name {node.name!r}")
             seen_names.add(node.name)
-            if node.output_bytes < 0 or node.flops < 0:
+            if node.output_bytes < 0 or node.flops < 0 or node.workspace_bytes < 0:
                 raise GraphError(f"node {node.name!r} has negative bytes or FLOPs")
             for dep in node.deps:
                 if not 0 <= dep < position:
@@ -156,6 +160,7 @@ class TrainingGraph:
                     "op_class": n.op_class,
                     "forward_index": n.forward_index,
                     **({"op_count": n.op_count} if n.op_count != 1 else {}),
+                    **({"workspace_bytes": n.workspace_bytes} if n.workspace_bytes else {}),
                 }
                 for n in self.nodes
             ],
@@ -174,6 +179,7 @@ class TrainingGraph:
                 op_class=d.get("op_class", "other"),
                 forward_index=d.get("forward_index"),
                 op_count=int(d.get("op_count", 1)),
+                workspace_bytes=int(d.get("workspace_bytes", 0)),
             )
             for i, d in enumerate(data["nodes"])
         ]
@@ -207,6 +213,7 @@ class GraphBuilder:
         op_class: str = "other",
         forward_of: str | None = None,
         op_count: int = 1,
+        workspace_bytes: int = 0,
     ) -> int:
         if name in self._index_by_name:
             raise GraphError(f"duplicate node name {name!r}")
@@ -218,7 +225,7 @@ class GraphBuilder:
         forward_index = self._index_by_name[forward_of] if forward_of is not None else None
         self._nodes.append(
             GraphNode(index, name, kind, int(output_bytes), int(flops), dep_indices, op_class, forward_index,
-                      max(1, int(op_count)))
+                      max(1, int(op_count)), int(workspace_bytes))
         )
         self._index_by_name[name] = index
         return index

@@ -124,7 +124,7 @@ def checkpoint_plan(graph: TrainingGraph, checkpoints: set[int]) -> StagePlan:
 def paging_plan(graph: TrainingGraph, ram_budget_bytes: float) -> StagePlan:
     """Page everything that does not fit: no recomputation; evict the tensor used furthest in future.
 
-    Raises BaselineDoesNotFitError when a node's inputs and output alone exceed the budget.
+    Raises BaselineDoesNotFitError when a node's inputs, output and workspace alone exceed the budget.
     """
     size = graph.size
     out_bytes = [n.output_bytes for n in graph.nodes]
@@ -140,13 +140,14 @@ def paging_plan(graph: TrainingGraph, ram_budget_bytes: float) -> StagePlan:
     for t in range(size - 1):
         nxt = t + 1
         need = set(graph.nodes[nxt].deps)
-        capacity = ram_budget_bytes - out_bytes[nxt]
+        workspace = graph.nodes[nxt].workspace_bytes
+        capacity = ram_budget_bytes - out_bytes[nxt] - workspace
         live = {i for i in in_ram | {t} | on_flash if last_use[i] > t}
         required = sum(out_bytes[i] for i in need)
         if required > capacity:
             raise BaselineDoesNotFitError(
-                f"node {graph.nodes[nxt].name!r} needs {required + out_bytes[nxt]} bytes at once "
-                f"(inputs and output), more than the budget of {ram_budget_bytes:.0f} bytes"
+                f"node {graph.nodes[nxt].name!r} needs {required + out_bytes[nxt] + workspace} bytes at once "
+                f"(inputs, output and workspace), more than the budget of {ram_budget_bytes:.0f} bytes"
             )
         keep = set(need)
         used = required

@@ -98,6 +98,9 @@ class Poet2022Formulation:
                 terms = [(U[t, k + 1], 1.0), (U[t, k], -1.0), (R[t, k + 1], -cost_ram[k + 1])]
                 terms += [(Free[t, e], cost_ram[i]) for e, i in incoming[k]]
                 p.add_row(terms, 0.0, 0.0)
+            for k, node in enumerate(graph.nodes):  # while k runs it also holds its workspace
+                if node.workspace_bytes:
+                    p.add_row([(U[t, k], 1.0), (R[t, k], float(node.workspace_bytes))], ub=budget)
         if opts.runtime_budget_s is not None:
             terms = [(R[t, i], priced.compute_s[i]) for t in range(size) for i in range(size)]
             if opts.paging_in_runtime:

@@ -71,6 +71,7 @@ def stage_memory(plan: StagePlan, graph: TrainingGraph, stage: int) -> tuple[flo
 
     Returns the RAM at the stage's start and, for each node k computed in it (in order), the RAM
     just after computing k and the inputs of k freed right after (last use in the stage, not kept).
+    While k runs the RAM is that plus k's workspace.
     """
     size = graph.size
     nodes = graph.nodes
@@ -238,6 +239,10 @@ class PoetFormulation:
                     terms.append((previous, -1.0))
                     terms += freed_after_previous
                 problem.add_row(terms, lb=rk_const * out_bytes[k], ub=rk_const * out_bytes[k])
+                workspace = graph.nodes[k].workspace_bytes
+                if workspace:  # while k runs it also holds its workspace: U[t,k] + R[t,k]·workspace(k) <= budget
+                    problem.add_row([(u, 1.0)] + [(c, a * workspace) for c, a in rk_terms],
+                                    ub=budget - rk_const * workspace)
                 freed_after_previous = []
                 for i in graph.nodes[k].deps:
                     free_col = self._free_var(t, i, k, successors[i])

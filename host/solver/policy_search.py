@@ -82,10 +82,11 @@ def model_stage_peaks(plan: StagePlan, priced: PricedGraph) -> np.ndarray:
     """
     graph = priced.graph
     output_bytes = np.array([n.output_bytes for n in graph.nodes], dtype=float)
-    peaks = np.tril(plan.keep_ram, -1) @ output_bytes + output_bytes
+    workspace_bytes = np.array([n.workspace_bytes for n in graph.nodes], dtype=float)
+    peaks = np.tril(plan.keep_ram, -1) @ output_bytes + output_bytes + workspace_bytes
     for t in np.flatnonzero(plan.recompute.sum(axis=1) > 1):
         start_bytes, events = stage_memory(plan, graph, int(t))
-        peaks[t] = max([start_bytes] + [after for _, after, _ in events])
+        peaks[t] = max([start_bytes] + [after + graph.nodes[k].workspace_bytes for k, after, _ in events])
     return peaks
 
 

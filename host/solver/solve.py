@@ -68,9 +68,10 @@ class SolveResult:
 
 
 def minimum_ram_bytes(priced: PricedGraph) -> int:
-    """No schedule can go below this: computing a node holds its inputs and its output at once."""
+    """No schedule can go below this: computing a node holds its inputs, its output and its workspace at once."""
     graph = priced.graph
-    return max(n.output_bytes + sum(graph.nodes[d].output_bytes for d in n.deps) for n in graph.nodes)
+    return max(n.output_bytes + n.workspace_bytes + sum(graph.nodes[d].output_bytes for d in n.deps)
+               for n in graph.nodes)
 
 
 def no_remat_peak_bytes(priced: PricedGraph) -> int:
@@ -150,7 +151,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             "infeasible", None, None, None, None, time.perf_counter() - started,
             message=(
                 f"RAM budget {options.ram_budget_bytes:.0f} bytes is below the minimum any schedule can meet: "
-                f"{floor_bytes} bytes (the largest node's inputs and output together); raise --ram-budget"
+                f"{floor_bytes} bytes (the largest node's inputs, output and workspace together); raise --ram-budget"
             ),
             **common,
         )

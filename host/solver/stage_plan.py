@@ -122,7 +122,7 @@ def lower_plan(plan: StagePlan, graph: TrainingGraph) -> list[Instruction]:
 
 
 def schedule_nodes(graph: TrainingGraph) -> list[ScheduleNode]:
-    return [ScheduleNode(n.name, n.kind, n.output_bytes, n.deps) for n in graph.nodes]
+    return [ScheduleNode(n.name, n.kind, n.output_bytes, n.deps, n.workspace_bytes) for n in graph.nodes]
 
 
 def make_schedule(graph: TrainingGraph, instructions: list[Instruction], **fields) -> Schedule:

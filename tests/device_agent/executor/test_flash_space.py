@@ -24,6 +24,7 @@ class _Node:
     name: str
     output_bytes: int
     deps: tuple[int, ...] = ()
+    workspace_bytes: int = 0
 
 
 def test_replay_reports_the_peak_of_pages_on_flash():

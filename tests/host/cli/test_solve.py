@@ -89,7 +89,7 @@ def test_budget_below_the_minimum_states_it(capfd):
 
 def test_user_factory_with_input_shape(capfd):
     code, out, err = run_main(capfd, "solve", "--model", "host.graph.examples:small_cnn", "--input-shape", "4,3,16,16",
-                              "--platform", "a72", "--ram-budget", "80%", "--json")
+                              "--platform", "a72", "--ram-budget", "95%", "--json")
     assert code == EXIT_OK, err
     assert one_json_object(out)["status"] in {"optimal", "feasible"}
 

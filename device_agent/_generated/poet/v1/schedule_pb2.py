@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16poet/v1/schedule.proto\x12\x07poet.v1\"h\n\x0bInstruction\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.poet.v1.InstructionKind\x12\x0c\n\x04node\x18\x02 \x01(\r\x12#\n\x08location\x18\x03 \x01(\x0e\x32\x11.poet.v1.Location\"N\n\x0cScheduleNode\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0coutput_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x65ps\x18\x04 \x03(\r\"\xb9\x01\n\nPrediction\x12\x16\n\x0epeak_ram_bytes\x18\x01 \x01(\x01\x12\x10\n\x08\x65nergy_j\x18\x02 \x01(\x01\x12\x11\n\tcompute_j\x18\x03 \x01(\x01\x12\x10\n\x08paging_j\x18\x04 \x01(\x01\x12\x11\n\truntime_s\x18\x05 \x01(\x01\x12\x10\n\x08paging_s\x18\x06 \x01(\x01\x12\x12\n\nrecomputes\x18\x07 \x01(\r\x12\x10\n\x08page_ins\x18\x08 \x01(\r\x12\x11\n\tpage_outs\x18\t \x01(\r\"^\n\tSolveInfo\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06solver\x18\x02 \x01(\t\x12\x13\n\x0b\x66ormulation\x18\x03 \x01(\t\x12\x0b\n\x03gap\x18\x04 \x01(\x01\x12\x0f\n\x07solve_s\x18\x05 \x01(\x01\"\xe5\x02\n\x08Schedule\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\ngraph_name\x18\x02 \x01(\t\x12\x19\n\x11graph_fingerprint\x18\x03 \x01(\t\x12$\n\x05nodes\x18\x04 \x03(\x0b\x32\x15.poet.v1.ScheduleNode\x12*\n\x0cinstructions\x18\x05 \x03(\x0b\x32\x14.poet.v1.Instruction\x12\x10\n\x08platform\x18\x06 \x01(\t\x12\x18\n\x10ram_budget_bytes\x18\x07 \x01(\x01\x12\x18\n\x10runtime_budget_s\x18\x08 \x01(\x01\x12\x13\n\x0b\x66ixed_bytes\x18\t \x01(\x04\x12\x19\n\x11paging_in_runtime\x18\n \x01(\x08\x12\'\n\nprediction\x18\x0b \x01(\x0b\x32\x13.poet.v1.Prediction\x12!\n\x05solve\x18\x0c \x01(\x0b\x32\x12.poet.v1.SolveInfo*J\n\x08Location\x12\x18\n\x14LOCATION_UNSPECIFIED\x10\x00\x12\x10\n\x0cLOCATION_RAM\x10\x01\x12\x12\n\x0eLOCATION_FLASH\x10\x02*\xa9\x01\n\x0fInstructionKind\x12 \n\x1cINSTRUCTION_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18INSTRUCTION_KIND_COMPUTE\x10\x01\x12\x1d\n\x19INSTRUCTION_KIND_PAGE_OUT\x10\x02\x12\x1c\n\x18INSTRUCTION_KIND_PAGE_IN\x10\x03\x12\x19\n\x15INSTRUCTION_KIND_FREE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16poet/v1/schedule.proto\x12\x07poet.v1\"h\n\x0bInstruction\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.poet.v1.InstructionKind\x12\x0c\n\x04node\x18\x02 \x01(\r\x12#\n\x08location\x18\x03 \x01(\x0e\x32\x11.poet.v1.Location\"g\n\x0cScheduleNode\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0coutput_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x65ps\x18\x04 \x03(\r\x12\x17\n\x0fworkspace_bytes\x18\x05 \x01(\x04\"\xb9\x01\n\nPrediction\x12\x16\n\x0epeak_ram_bytes\x18\x01 \x01(\x01\x12\x10\n\x08\x65nergy_j\x18\x02 \x01(\x01\x12\x11\n\tcompute_j\x18\x03 \x01(\x01\x12\x10\n\x08paging_j\x18\x04 \x01(\x01\x12\x11\n\truntime_s\x18\x05 \x01(\x01\x12\x10\n\x08paging_s\x18\x06 \x01(\x01\x12\x12\n\nrecomputes\x18\x07 \x01(\r\x12\x10\n\x08page_ins\x18\x08 \x01(\r\x12\x11\n\tpage_outs\x18\t \x01(\r\"^\n\tSolveInfo\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06solver\x18\x02 \x01(\t\x12\x13\n\x0b\x66ormulation\x18\x03 \x01(\t\x12\x0b\n\x03gap\x18\x04 \x01(\x01\x12\x0f\n\x07solve_s\x18\x05 \x01(\x01\"\xe5\x02\n\x08Schedule\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\ngraph_name\x18\x02 \x01(\t\x12\x19\n\x11graph_fingerprint\x18\x03 \x01(\t\x12$\n\x05nodes\x18\x04 \x03(\x0b\x32\x15.poet.v1.ScheduleNode\x12*\n\x0cinstructions\x18\x05 \x03(\x0b\x32\x14.poet.v1.Instruction\x12\x10\n\x08platform\x18\x06 \x01(\t\x12\x18\n\x10ram_budget_bytes\x18\x07 \x01(\x01\x12\x18\n\x10runtime_budget_s\x18\x08 \x01(\x01\x12\x13\n\x0b\x66ixed_bytes\x18\t \x01(\x04\x12\x19\n\x11paging_in_runtime\x18\n \x01(\x08\x12\'\n\nprediction\x18\x0b \x01(\x0b\x32\x13.poet.v1.Prediction\x12!\n\x05solve\x18\x0c \x01(\x0b\x32\x12.poet.v1.SolveInfo*J\n\x08Location\x12\x18\n\x14LOCATION_UNSPECIFIED\x10\x00\x12\x10\n\x0cLOCATION_RAM\x10\x01\x12\x12\n\x0eLOCATION_FLASH\x10\x02*\xa9\x01\n\x0fInstructionKind\x12 \n\x1cINSTRUCTION_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18INSTRUCTION_KIND_COMPUTE\x10\x01\x12\x1d\n\x19INSTRUCTION_KIND_PAGE_OUT\x10\x02\x12\x1c\n\x18INSTRUCTION_KIND_PAGE_IN\x10\x03\x12\x19\n\x15INSTRUCTION_KIND_FREE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'poet.v1.schedule_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOCATION']._serialized_start=865
-  _globals['_LOCATION']._serialized_end=939
-  _globals['_INSTRUCTIONKIND']._serialized_start=942
-  _globals['_INSTRUCTIONKIND']._serialized_end=1111
+  _globals['_LOCATION']._serialized_start=890
+  _globals['_LOCATION']._serialized_end=964
+  _globals['_INSTRUCTIONKIND']._serialized_start=967
+  _globals['_INSTRUCTIONKIND']._serialized_end=1136
   _globals['_INSTRUCTION']._serialized_start=35
   _globals['_INSTRUCTION']._serialized_end=139
   _globals['_SCHEDULENODE']._serialized_start=141
-  _globals['_SCHEDULENODE']._serialized_end=219
-  _globals['_PREDICTION']._serialized_start=222
-  _globals['_PREDICTION']._serialized_end=407
-  _globals['_SOLVEINFO']._serialized_start=409
-  _globals['_SOLVEINFO']._serialized_end=503
-  _globals['_SCHEDULE']._serialized_start=506
-  _globals['_SCHEDULE']._serialized_end=863
+  _globals['_SCHEDULENODE']._serialized_end=244
+  _globals['_PREDICTION']._serialized_start=247
+  _globals['_PREDICTION']._serialized_end=432
+  _globals['_SOLVEINFO']._serialized_start=434
+  _globals['_SOLVEINFO']._serialized_end=528
+  _globals['_SCHEDULE']._serialized_start=531
+  _globals['_SCHEDULE']._serialized_end=888
 # @@protoc_insertion_point(module_scope)
