@@ -796,7 +796,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
 # POET with its node functions through inductor, solved at --compile-granularity
 COMPILED_POET = "POET --compile"
 
-# --compile-granularity auto: the coarsest block depth whose hard floor (the largest node's inputs and output)
+# --compile-granularity auto: the coarsest block depth whose hard floor (the largest node's inputs, output and workspace)
 # is at most this share of the budget, leaving the solver room to schedule
 AUTO_FLOOR_SHARE = 0.8
 AUTO_MAX_DEPTH = 8
@@ -1028,7 +1028,7 @@ def main() -> None:
                              "keep-all and torch.compile against plain in a second round")
     parser.add_argument("--compile-granularity", type=_parse_granularity, default="auto",
                         help="nodes of the --compile rows: layer, block:N, or auto (the default): per budget, the "
-                             f"coarsest block depth whose largest node's inputs and output take at most "
+                             f"coarsest block depth whose largest node's inputs, output and workspace take at most "
                              f"{100 * AUTO_FLOOR_SHARE:.0f}%% of the budget (inductor fuses within a node, and each compiled "
                              "call costs more than an uncompiled one)")
     parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
