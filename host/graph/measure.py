@@ -376,7 +376,7 @@ def measure_backwards(
                       group_modules, timeline.region)
     for index, measured in backward.items():  # each pass's workspace, from the allocator's own events
         backward[index] = replace(measured, forward_workspace_bytes=timeline.workspace_bytes(f"fwd:{index}"),
-                                  workspace_bytes=timeline.workspace_bytes(f"bwd:{index}"))
+                                  workspace_bytes=measured.workspace_bytes + timeline.workspace_bytes(f"bwd:{index}"))
     return Backwards(backward, upstream, group_modules)
 
 
@@ -396,6 +396,9 @@ def _measure_each(gm, groups, forward, values, producer, attr_keys, facts, consu
                 continue
             receiving = {v for v, _ in edges}
             upstream[group.index] = sorted({c for _, c in edges}, reverse=True)
+            summing = _gradient_sum_bytes(edges, values)
+        else:
+            summing = 0
         group_modules[group.index] = build_group_module(gm, group)
         measured = measure_backward(
             group_modules[group.index],
@@ -409,7 +412,17 @@ def _measure_each(gm, groups, forward, values, producer, attr_keys, facts, consu
             region=region,
         )
         if measured is not None:
-            backward[group.index] = measured
+            backward[group.index] = replace(measured, workspace_bytes=summing)
+
+
+def _gradient_sum_bytes(edges: list[tuple[str, int]], values: dict[str, Any]) -> int:
+    """The temporaries of summing an output's gradients from several consumers before its backward runs: one
+    sum for two senders, two at once (the running sum and the next) for more."""
+    senders: dict[str, int] = {}
+    for value, _ in edges:
+        senders[value] = senders.get(value, 0) + 1
+    return sum(min(count - 1, 2) * sum(t.numel() * t.element_size() for t in tensors(values[value]))
+               for value, count in senders.items() if count > 1)
 
 
 def pinned_internals_bytes(forward: list[ForwardMeasure], backward: dict[int, BackwardMeasure]) -> list[int]:

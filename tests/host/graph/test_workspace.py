@@ -46,6 +46,25 @@ def test_a_convolution_s_kernel_buffers_are_measured():
     assert with_workspace.peak_ram_bytes > max(with_workspace.ram_timeline_bytes)
 
 
+class _TwoConsumers(nn.Module):
+    """One activation read by two layers: its backward first sums the two gradients it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.left, self.right = nn.Linear(16, 64), nn.Linear(64, CLASSES), nn.Linear(64, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.relu(self.first(x))
+        return self.left(shared) + self.right(shared)
+
+
+def test_summing_gradients_from_several_consumers_is_workspace():
+    torch.manual_seed(0)
+    traced = trace_model(_bundle(_TwoConsumers(), (BATCH, 16)), granularity="layer")
+    relu_backward = next(n for n in traced.graph.nodes if n.kind == "bwd" and "relu" in n.name)
+    assert relu_backward.workspace_bytes >= BATCH * 64 * 4  # the sum of the two gradients of ``shared``
+
+
 def test_the_executor_counts_the_workspace_in_its_tracked_peak(tmp_path):
     """Interpreted (first step) and lowered (later steps) alike, the tracked peak is the replay's, workspace
     included, so the budget a schedule was solved for bounds what the executor reports."""
