@@ -4,13 +4,16 @@
    forward FLOPs and the tensors autograd saves (``saved_tensors_hooks``); output bytes follow from storages.
 2. Each group is re-run alone (inputs detached) and differentiated under ``FlopCounterMode``
    (:func:`measure_backward`): backward FLOPs, which forward outputs its backward needs, and which inputs
-   receive a gradient.
+   receive a gradient; and, from torch's allocator events (:class:`AllocationTimeline`), the workspace of
+   its forward and its backward: the temporaries each holds for a moment.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import warnings
 from bisect import bisect_left, bisect_right
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -103,6 +106,7 @@ class AllocationTimeline:
     """
 
     _PREFIX = "poet.workspace:"
+    _ONE_AT_A_TIME = threading.Lock()  # the profiler is one per process: traces on other threads wait
 
     def __init__(self) -> None:
         self._profiler = None
@@ -113,15 +117,33 @@ class AllocationTimeline:
     def __enter__(self) -> AllocationTimeline:
         from torch.profiler import ProfilerActivity, profile
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():  # the profiler's library announces its start on stderr
-            self._profiler.__enter__()
+        self._ONE_AT_A_TIME.acquire()
+        if torch.autograd._profiler_enabled():  # the caller's: a second session would end it and lose its events
+            self._ONE_AT_A_TIME.release()
+            warnings.warn("workspaces not measured: torch.profiler is already running, and a second session would "
+                          "end it; every node's workspace is taken as 0 bytes, so RAM peaks inside kernels are not "
+                          "counted. Trace outside torch.profiler to measure them.", RuntimeWarning, stacklevel=2)
+            return self
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        try:
+            with _quiet_stderr():  # the profiler's library announces its start on stderr
+                profiler.__enter__()
+        except BaseException:
+            self._ONE_AT_A_TIME.release()
+            raise
+        self._profiler = profiler
         return self
 
     def __exit__(self, *exc) -> None:
-        with _quiet_stderr():
-            self._profiler.__exit__(*exc)
+        if self._profiler is None:
+            return
+        try:
+            with _quiet_stderr():
+                self._profiler.__exit__(*exc)
+        finally:
+            self._ONE_AT_A_TIME.release()
         if exc[0] is not None:
+            self._profiler = None
             return
         events = self._profiler.profiler.kineto_results.events()
         memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")

@@ -81,3 +81,18 @@ def test_the_executor_counts_the_workspace_in_its_tracked_peak(tmp_path):
         peaks = [executor.train_step(bundle.inputs, bundle.labels).peak_tracked_bytes for _ in range(3)]
     assert peaks[0] >= expected > max(replay(partition.nodes, schedule.instructions, graph_label="c").ram_timeline_bytes)
     assert peaks[1] == peaks[2] >= expected
+
+
+def test_a_trace_inside_the_caller_s_profiler_warns_and_measures_no_workspace():
+    """torch.profiler sessions do not nest: the trace says it could not measure, instead of failing."""
+    import pytest
+
+    torch.manual_seed(0)
+    bundle = _bundle(nn.Linear(16, CLASSES), (BATCH, 16))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as callers, \
+            pytest.warns(RuntimeWarning, match="workspaces not measured"):
+        traced = trace_model(bundle, granularity="layer")
+    assert all(n.workspace_bytes == 0 for n in traced.graph.nodes)
+    assert len(callers.events()) > 0  # the caller's session was left running
+    assert next(n for n in trace_model(bundle, granularity="layer").graph.nodes
+                if n.name == "bwd:loss").workspace_bytes == BATCH * CLASSES * 4  # the lock was released
