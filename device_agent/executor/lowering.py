@@ -35,6 +35,7 @@ from device_agent.executor.overlap import transfer_starts
 from device_agent.executor.partition import Partition
 from device_agent.executor.plan import PlannedOp
 from device_agent.executor.ram_store import EntryBuilder, TensorView
+from device_agent.replay import instruction_workspace_bytes
 
 __all__ = ["BackwardNote", "ForwardNote", "LoweredStep", "LoweringNotes", "lower_step"]
 
@@ -212,7 +213,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
     writing: set[int] = set()  # nodes whose page-out is in flight
     in_use = list(notes.in_use_bytes)
-    workspace = [nodes[op.node].workspace_bytes if op.kind == "compute" else 0 for op in ops]
+    workspace = instruction_workspace_bytes(nodes, ops)
     writes_after, reads_before = (transfer_starts(ops, in_use, ram_budget_bytes, workspace) if overlap
                                   else ({}, {}))
     ns["_plain"] = plain_run

@@ -3,6 +3,7 @@ what it keeps, including buffers allocated and freed inside a kernel."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,8 +86,6 @@ def test_the_executor_counts_the_workspace_in_its_tracked_peak(tmp_path):
 
 def test_a_trace_inside_the_caller_s_profiler_warns_and_measures_no_workspace():
     """torch.profiler sessions do not nest: the trace says it could not measure, instead of failing."""
-    import pytest
-
     torch.manual_seed(0)
     bundle = _bundle(nn.Linear(16, CLASSES), (BATCH, 16))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as callers, \

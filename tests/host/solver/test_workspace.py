@@ -17,10 +17,8 @@ from tests.host.solver.graphs import chain_graph, price_simply
 
 
 def with_workspace(graph: TrainingGraph, workspace_by_name: dict[str, int]) -> TrainingGraph:
-    nodes = [dataclasses.replace(n, workspace_bytes=workspace_by_name.get(n.name, 0)) for n in graph.nodes]
-    return TrainingGraph.from_dict({**graph.to_dict(), "nodes": [
-        {**d, **({"workspace_bytes": n.workspace_bytes} if n.workspace_bytes else {})}
-        for d, n in zip(graph.to_dict()["nodes"], nodes, strict=True)]})
+    return dataclasses.replace(graph, nodes=[dataclasses.replace(n, workspace_bytes=workspace_by_name.get(n.name, 0))
+                                             for n in graph.nodes])
 
 
 def every_backward(graph: TrainingGraph, workspace_bytes: int) -> dict[str, int]:
