@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from host.fleet.calibration import heavy_budget_bytes  # noqa: E402
 from host.fleet.demo import Process, console_script, run_command  # noqa: E402
 
 BOARD, OPERATOR = "board", "operator"
@@ -58,6 +59,16 @@ def _poet_json(argv: list[str], env: dict[str, str]) -> tuple[int, dict]:
         raise SystemExit(f"poet {argv[1]} exited {done.returncode} without a JSON object") from None
 
 
+def _train_unseen(poet: str, env: dict[str, str], steps: int, budget: str, label: str, version: int,
+                  flags: tuple[str, ...]) -> dict:
+    """One run of the unseen model on the board; its entry of `poet run --json`."""
+    _, reply = _poet_json(
+        [poet, "run", "--model", UNSEEN_MODEL, "--dataset", ":synthetic", "--steps", str(steps),
+         "--ram-budget", budget, "--runtime-budget", "1.2" if label == "keep-all" else HEAVY_RUNTIME_FACTOR,
+         "--agents", BOARD, "--profile-version", str(version), *flags, "--wait", "--json"], env)
+    return reply["runs"][0]
+
+
 def _unseen_runs(poet: str, env: dict[str, str], versions: dict[str, int], steps: int) -> list[dict]:
     """The unseen model under each kind of schedule, solved and predicted on each profile version."""
     rows = []
@@ -65,13 +76,15 @@ def _unseen_runs(poet: str, env: dict[str, str], versions: dict[str, int], steps
         row = {"model": UNSEEN_MODEL, "schedule": label, "seen_by_fit": False}
         for when, version in versions.items():
             for share in shares:  # the first share the model fits in, as `poet calibrate` does
-                _, reply = _poet_json(
-                    [poet, "run", "--model", UNSEEN_MODEL, "--dataset", ":synthetic", "--steps", str(steps),
-                     "--ram-budget", share, "--runtime-budget", "1.2" if label == "keep-all" else HEAVY_RUNTIME_FACTOR,
-                     "--agents", BOARD, "--profile-version", str(version), *flags, "--wait", "--json"], env)
-                run = reply["runs"][0]
+                run = _train_unseen(poet, env, steps, share, label, version, flags)
                 if run["status"] == "done":
                     break
+            floor, budget = run.get("min_ram_budget_bytes"), run.get("ram_budget_bytes")
+            if run["status"] == "does_not_fit" and floor and budget and floor > budget:
+                # the floor is above every share: halfway from it to the peak, as `poet calibrate` does
+                peak = round(budget / (float(share.rstrip("%")) / 100))
+                if floor < peak:
+                    run = _train_unseen(poet, env, steps, str(heavy_budget_bytes(floor, peak)), label, version, flags)
             if run["status"] != "done":
                 raise SystemExit(f"the {label} run of {UNSEEN_MODEL} on profile v{version} ended {run['status']}: "
                                  f"{run.get('error') or run.get('detail')}")

@@ -3,8 +3,9 @@
 1. A PROFILE job on the board (its micro-benchmarks) stores profile version k.
 2. Short TRAIN runs (batch 8 by default) of each calibration model under three schedules, all solved on
    version k: keep-all (budget 100% of the no-remat peak), remat-heavy (recomputation only) and paging-heavy
-   (paging only), the last two at the first of 50%, 65%, 80% of the peak the model can be trained in, runtime
-   factor 4. They train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
+   (paging only), the last two at the first of 50%, 65%, 80% of the peak the model can be trained in (or, when
+   the model's hard floor is above all three, halfway between that floor and the peak: :func:`heavy_budget_bytes`),
+   runtime factor 4. They train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
    samples of the model's shape), so a board needs no data of each calibration model's shape.
 3. Each run's stored telemetry is split: the even steps are fitted, the odd steps from 3 are held out
    (step 1 warms allocators and caches up; see :func:`fit_and_heldout_steps`). :func:`host.calibrate.fit.fit_profile` fits version k on the fit halves; the
@@ -52,6 +53,7 @@ DEFAULT_MODELS, DEFAULT_STEPS, DEFAULT_BATCH_SIZE = CALIBRATION_MODELS, CALIBRAT
 MIN_STEPS = 4  # a fit half and a held-out half of at least one step each after the warm-up step
 HEAVY_FRACTIONS_OF_PEAK = (0.5, 0.65, 0.8)  # tried in turn: the first budget the model's schedules can meet
 HEAVY_RUNTIME_FACTOR = 4.0
+HEAVY_SHARE_ABOVE_FLOOR = 0.5  # when the floor is above every fraction: this share of the way from floor to peak
 CALIBRATION_LR = 0.01
 POLL_S = 0.25
 RUN_TIMEOUT_S = 3600.0
@@ -308,9 +310,18 @@ def _wait(planner: Planner, calibration: Calibration | None, run_ids: Sequence[s
         time.sleep(POLL_S)
 
 
-def _presolve(planner: Planner, board, request) -> RunStatus | None:
-    """Solve (into the planner's schedule cache) what submitting ``request`` to ``board`` will run; the plan's
-    status, or None where the submission itself must say what is wrong."""
+def heavy_budget_bytes(floor_bytes: int, peak_bytes: int) -> int:
+    """The heavy schedules' budget for a model whose hard floor (the largest node's inputs, output and workspace)
+    is above every share of :data:`HEAVY_FRACTIONS_OF_PEAK`: part of the way from the floor to the no-remat peak,
+    so the schedule must still recompute or page, and the solver has room to."""
+    if not 0 < floor_bytes <= peak_bytes:
+        raise ValueError(f"the floor ({floor_bytes} bytes) must be positive and at most the peak ({peak_bytes} bytes)")
+    return floor_bytes + int(HEAVY_SHARE_ABOVE_FLOOR * (peak_bytes - floor_bytes))
+
+
+def _presolve(planner: Planner, board, request):
+    """Solve (into the planner's schedule cache) what submitting ``request`` to ``board`` will run; the plan
+    (its status, budget and floor), or None where the submission itself must say what is wrong."""
     from host.run.errors import UserError
 
     if board is None:
@@ -321,7 +332,7 @@ def _presolve(planner: Planner, board, request) -> RunStatus | None:
         plan, _ = planner.plan_board(board, graph, request, optimizer, request.runtime_budget)
     except (Refused, UserError):
         return None
-    return plan.status
+    return plan
 
 
 def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
@@ -358,9 +369,21 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
                           no_remat=no_remat)
             for fraction in fractions:  # the heavy schedules: the smallest share the model can be trained in
                 request = _request(calibration, ram_budget=fleet_pb2.RamBudget(fraction_of_peak=fraction), **fields)
-                if _presolve(planner, board_record, request) == RunStatus.QUEUED:
+                budget_note = f"{fraction:.0%} of the no-remat peak"
+                plan = _presolve(planner, board_record, request)
+                if plan is not None and plan.status == RunStatus.QUEUED:
                     break
-            chosen.append((model, label, request, f"{fraction:.0%} of the no-remat peak"))
+            if (plan is not None and plan.status == RunStatus.DOES_NOT_FIT and plan.min_ram_budget_bytes
+                    and plan.ram_budget_bytes and plan.min_ram_budget_bytes > plan.ram_budget_bytes):
+                # the floor is above every share: halfway from the floor to the peak (a conv model at batch 8,
+                # whose kernels' own buffers make the floor 90% of the peak)
+                peak_bytes = round(plan.ram_budget_bytes / fraction)
+                if plan.min_ram_budget_bytes < peak_bytes:
+                    budget = heavy_budget_bytes(plan.min_ram_budget_bytes, peak_bytes)
+                    request = _request(calibration, ram_budget=fleet_pb2.RamBudget(budget_bytes=budget), **fields)
+                    budget_note = f"{budget} bytes, halfway from the floor to the no-remat peak"
+                    _presolve(planner, board_record, request)
+            chosen.append((model, label, request, budget_note))
     planned: list[dict[str, Any]] = []
     for model, label, request, budget_note in chosen:  # the schedules are cached: each submit answers at once
         run = planner.submit(request)[0]

@@ -138,3 +138,27 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
         assert [v["version"] for v in versions] == [1, 2], dump(versions)
     # a two-step run has nothing to hold out: it is skipped, and says why
     assert fleet.show(short["run_id"])["refinement"]["status"] == "skipped"
+
+
+def test_a_model_whose_floor_is_above_every_heavy_share_gets_a_budget_between_floor_and_peak_it_trains_in():
+    """small_cnn_images at batch 8: its convolutions' own buffers put the hard floor at 94% of the no-remat
+    peak, above 50/65/80%. `poet calibrate` (and the bench) then train the heavy schedules halfway from the
+    floor to the peak, where a recompute-only and a paging-only schedule both exist and must do real work."""
+    from host.fleet.calibration import HEAVY_FRACTIONS_OF_PEAK, heavy_budget_bytes
+    from host.run.solve import SolveSettings, prepare_solve, solve
+    from host.run.sources import ModelSource
+    from host.solver.solve import minimum_ram_bytes
+
+    model = "host.graph.examples:small_cnn_images"
+    problem = prepare_solve(ModelSource(model, batch_size=8), "a72", "100%", SolveSettings())
+    floor, peak = minimum_ram_bytes(problem.priced), problem.no_remat_peak_bytes
+    assert floor > max(HEAVY_FRACTIONS_OF_PEAK) * peak
+    budget = heavy_budget_bytes(floor, peak)
+    assert floor < budget < peak
+    for remat, paging, moved in ((True, False, "recomputes"), (False, True, "page_outs")):
+        report = solve(model, "a72", budget, batch_size=8, remat=remat, paging=paging, runtime_budget=4.0,
+                       time_limit_s=60)
+        assert report.ok, report.status
+        assert getattr(report, moved) > 0, report.to_dict()
+    with pytest.raises(ValueError, match="floor"):
+        heavy_budget_bytes(peak + 1, peak)
