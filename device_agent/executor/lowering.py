@@ -117,7 +117,9 @@ class LoweringRuntime:
 
     def free_flash(self, position: int, node: int) -> None:
         def delete() -> int:
+            started = time.perf_counter()
             self.moved[position] = self.pages.delete(node)
+            self.transfer_s[position] = time.perf_counter() - started  # the unlink's own time, as for transfers
             return 0
         self._pending.append(self._io_thread().submit(delete))
 

@@ -68,7 +68,8 @@ def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: floa
 
 
 def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Sequence[int], ram_budget_bytes: float,
-                      overlap: bool = True, workspace: Sequence[int] | None = None) -> float:
+                      overlap: bool = True, workspace: Sequence[int] | None = None,
+                      hidden_share: float = 1.0) -> float:
     """Seconds from a step's first instruction to its last transfer's end, when instruction ``i`` takes
     ``seconds[i]``: computes and RAM frees on the compute thread, page transfers and flash frees on the one I/O
     thread, in program order.
@@ -77,9 +78,16 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
     instruction) once the I/O thread is free; the instruction of a page-in waits for its read, and the RAM free
     of a node being written waits for its write. Without ``overlap`` every transfer runs in place, so the step
     is the plain sum. ``workspace``: as for :func:`transfer_starts`.
+
+    ``hidden_share`` (0 to 1) is the share of a transfer's time that really runs beside compute: 1 where the I/O
+    thread has a core of its own; below 1 where it shares the compute's core (or the interpreter lock) with it, so
+    the rest of each transfer's time also holds the compute thread back. 0 gives the plain sum.
     """
-    if not overlap:
+    if not 0.0 <= hidden_share <= 1.0:
+        raise ValueError(f"hidden_share must be between 0 and 1, got {hidden_share!r}")
+    if not overlap or hidden_share == 0.0:
         return float(sum(seconds))
+    stolen_share = 1.0 - hidden_share
     writes_after, reads_before = transfer_starts(ops, list(in_use), ram_budget_bytes, workspace)
     compute_clock_s = io_clock_s = 0.0
     done_s: dict[int, float] = {}  # position of a transfer -> when it ends
@@ -87,9 +95,10 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
     writing: dict[int, int] = {}  # node -> position of its page-out in flight
 
     def submit(position: int) -> None:
-        nonlocal io_clock_s
+        nonlocal io_clock_s, compute_clock_s
         io_clock_s = max(io_clock_s, compute_clock_s) + seconds[position]
         done_s[position] = io_clock_s
+        compute_clock_s += stolen_share * seconds[position]  # what the transfer takes from the compute thread
         started.add(position)
 
     for position, op in enumerate(ops):

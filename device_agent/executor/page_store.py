@@ -3,8 +3,10 @@
 A page-out writes a temporary file, fsyncs it, renames it into place and drops it from the OS page
 cache (``posix_fadvise(DONTNEED)``), so the page-in that follows really reads the device. The file
 carries a CRC-32 of its header and payload; a page-in verifies it. Files live in a private
-subdirectory of the flash directory, created at the first page-out and removed with the last page
-(and on :meth:`FlashPageStore.clear` after a failure), so nothing stays behind between steps.
+subdirectory of the flash directory, created at the first page-out and removed by
+:meth:`FlashPageStore.clear` and :meth:`FlashPageStore.close` (after a failure, and when the executor closes).
+Between steps it stays, empty but for its owner lock: making and removing it every step cost 1.9 ms per step of
+a one-page schedule (measured on an ext4-backed container disk), more than the page transfers themselves.
 
 A process killed mid-step (SIGKILL from the OOM killer) cannot clean up, so every page directory is
 marked with its owner: an ``owner.lock`` file inside it, held with ``flock(LOCK_EX)`` for as long as
@@ -364,7 +366,7 @@ class FlashPageStore:
                  log: Callable[[str], None] | None = None):
         check_flash_dir(flash_dir)
         self.flash_dir = os.fspath(flash_dir)
-        self.directory: str | None = None  # created at the first page-out, removed when the last page goes
+        self.directory: str | None = None  # created at the first page-out, removed by clear() and close()
         self.drop_cache = drop_cache
         self.cache_dropped = True  # False once posix_fadvise was unavailable
         self._pages: dict[int, _Page] = {}
@@ -495,13 +497,11 @@ class FlashPageStore:
         return Entry(node, storages, dict(layout.views)), page.file_bytes
 
     def delete(self, node: int) -> int:
-        """Delete node's page file (and the private directory with the last one); returns its size."""
+        """Delete node's page file (the private directory stays for the next page-out); returns its size."""
         page = self._pages.pop(node, None)
         if page is None:
             raise PageStoreError(f"node {node} has no page on flash")
         _unlink_quietly(page.path)
-        if not self._pages:
-            self._remove_directory()
         return page.file_bytes
 
     def path_of(self, node: int) -> str:

@@ -14,6 +14,10 @@ charges CPU time (``modelled:cpu-time×power``) charges paging for it too. Given
 busy thread, ``memory_power_w`` becomes the effective power while paging: the profile's storage power
 plus the CPU time the transfers took per second of transfer, at that power.
 
+Overlap: how much of a transfer's time really runs behind compute (``transfer_overlap``) depends on whether the
+board's I/O thread has a core of its own. The fit tries shares from 1 down to 0 and keeps the one whose predicted
+steps (with the remaining step costs fitted for it) are nearest the measured ones; runs without paging leave it.
+
 The first ``skip_steps`` steps of each executor run are left out (allocator and cache warm-up).
 """
 
@@ -133,6 +137,7 @@ TRANSFER_RATE_CAP_BYTES_PER_S = 1e13  # a direction whose time the fit puts whol
 TRANSFER_SIZE_SPREAD = 1.5  # transfers whose sizes span less than this factor fit one scale factor, not two terms
 SHRINK_WEIGHT = 0.01  # how strongly a class's own node overhead is pulled towards 0 (the direction's takes the rest)
 WARMUP_STEPS = 1  # a run's first steps are left out (allocator and cache warm-up)
+TRANSFER_OVERLAP_SHARES = tuple(share / 10 for share in range(10, -1, -1))  # tried from 1 (all hidden) to 0
 
 
 @dataclasses.dataclass
@@ -323,9 +328,41 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
             changes[f"free_{location}_s"] = statistics.median(values)
             sources[f"step.free_{location}_s"] = f"{note}: median of {len(values)} frees"
     fitted = dataclasses.replace(profile, **changes, sources=sources, step_overhead_s=0.0, instruction_overhead_s=0.0)
-    fitted = _fit_step_remainder(fitted, runs, note, warmup_steps)
+    fitted = _fit_transfer_overlap(fitted, runs, note, warmup_steps)
     fitted = _fit_powers(fitted, runs, note, warmup_steps)
     return dataclasses.replace(fitted, description=f"{profile.description}; {note}")
+
+
+def _fit_transfer_overlap(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: str,
+                          warmup_steps: int) -> PlatformProfile:
+    """The step remainder (:func:`_fit_step_remainder`) fitted at each share of :data:`TRANSFER_OVERLAP_SHARES`;
+    the fit whose predicted steps are nearest the measured ones (:func:`_squared_step_error`; ties keep the
+    larger share). Without a run that pages there is nothing to tell shares apart: the profile's share stays."""
+    if not any(i.kind == "page_in" for run in runs for i in run.schedule.instructions):
+        return _fit_step_remainder(profile, runs, note, warmup_steps)
+    best: tuple[float, PlatformProfile] | None = None
+    for share in TRANSFER_OVERLAP_SHARES:
+        candidate = _fit_step_remainder(dataclasses.replace(profile, transfer_overlap=share), runs, note, warmup_steps)
+        error = _squared_step_error(candidate, runs, warmup_steps)
+        if best is None or error < best[0]:
+            best = (error, candidate)
+    fitted = best[1]
+    sources = dict(fitted.sources)
+    sources["step.transfer_overlap"] = (f"{note}: of shares 0 to 1, the one whose predicted steps were nearest the "
+                                        "measured ones")
+    return dataclasses.replace(fitted, sources=sources)
+
+
+def _squared_step_error(profile: PlatformProfile, runs: Sequence[CalibrationRun], warmup_steps: int) -> float:
+    """Sum over the runs of ((predicted - measured) / measured) squared, measured being the run's median step
+    (as :func:`step_time_mape` compares them: a few disturbed steps do not choose the share)."""
+    total = 0.0
+    for run in runs:
+        measured_s = _median_measured(run, "duration_s", warmup_steps)
+        if measured_s:
+            predicted_s, _ = predict_step(profile, run.graph, run.schedule)
+            total += ((predicted_s - measured_s) / measured_s) ** 2
+    return total
 
 
 def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun], note: str,

@@ -23,8 +23,11 @@ class PricedGraph:
     page_in_j: np.ndarray
     page_out_s: np.ndarray
     page_out_j: np.ndarray
+    transfer_overlap: float = 1.0  # share of a page transfer's time hidden behind compute (PlatformProfile's)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.transfer_overlap <= 1.0:
+            raise ValueError(f"PricedGraph.transfer_overlap must be between 0 and 1, got {self.transfer_overlap!r}")
         size = self.graph.size
         for field_name in ("compute_s", "compute_j", "page_in_s", "page_in_j", "page_out_s", "page_out_j"):
             values = np.asarray(getattr(self, field_name), dtype=np.float64)
@@ -56,7 +59,8 @@ class PricedGraph:
         if not any(i.kind == "page_in" for i in instructions):  # nothing to hide behind compute
             return float(sum(seconds))
         return overlapped_step_s(instructions, seconds, ram_timeline_bytes, ram_budget_bytes or 0.0,
-                                 workspace=instruction_workspace_bytes(self.graph.nodes, instructions))
+                                 workspace=instruction_workspace_bytes(self.graph.nodes, instructions),
+                                 hidden_share=self.transfer_overlap)
 
     @property
     def base_compute_j(self) -> float:

@@ -62,4 +62,5 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
         page_in_j=page_in_s * profile.memory_power_w,
         page_out_s=page_out_s,
         page_out_j=page_out_s * profile.memory_power_w,
+        transfer_overlap=profile.transfer_overlap,
     )

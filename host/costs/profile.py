@@ -34,7 +34,9 @@ Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profil
       "memory_bytes_per_s": {"fwd": ..., "bwd": ...}  # a node's output + input bytes at this rate
     },
     "step": {"optimizer_bytes_per_s": ..., "instruction_overhead_s": ..., "step_overhead_s": ...,
-             "free_ram_s": ..., "free_flash_s": ...},
+             "free_ram_s": ..., "free_flash_s": ...,
+             "transfer_overlap": ...},                # share of a page transfer's time hidden behind compute,
+                                                    # 0 to 1 (absent: 1, an I/O thread with a core of its own)
     "idle_power_w": ...                             # drawn outside computes and transfers (metered)
 """
 
@@ -102,6 +104,8 @@ class PlatformProfile:
     step_overhead_s: float = 0.0  # executor seconds per step outside instructions and the optimizer
     free_ram_s: float = 0.0  # seconds to drop a tensor from RAM
     free_flash_s: float = 0.0  # seconds to delete a page file
+    transfer_overlap: float = 1.0  # share of a page transfer's time that runs behind compute (1: the I/O thread
+    # has a core of its own; less where it shares the compute's core or the interpreter lock)
     idle_power_w: float | None = None  # drawn outside computes and transfers (a meter's fit)
 
     def flops_per_s_for(self, op_class: str, kind: str = "fwd") -> float:
@@ -147,6 +151,8 @@ class PlatformProfile:
         for key in ("instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s"):
             if getattr(self, key):
                 step[key] = getattr(self, key)
+        if self.transfer_overlap != 1.0:
+            step["transfer_overlap"] = self.transfer_overlap
         extra: dict[str, Any] = {"step": step} if step else {}
         if self.idle_power_w is not None:
             extra["idle_power_w"] = self.idle_power_w
@@ -195,7 +201,9 @@ _TOP_KEYS = (
 )
 _COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s",
                  "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s")
-_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
+_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s",
+              "transfer_overlap")
+_STEP_SECONDS_KEYS = ("instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
     "schema_version": f"the integer {SCHEMA_VERSION}",
@@ -332,7 +340,13 @@ class _Validator:
             if step.get("optimizer_bytes_per_s") is not None else None
         )
         step_seconds = {key: self._number(step.get(key, 0.0), f"step.{key}", "seconds", positive=False)
-                        for key in _STEP_KEYS[1:]}
+                        for key in _STEP_SECONDS_KEYS}
+        transfer_overlap = step.get("transfer_overlap", 1.0)
+        if (not isinstance(transfer_overlap, (int, float)) or isinstance(transfer_overlap, bool)
+                or not 0.0 <= transfer_overlap <= 1.0):  # NaN fails the comparison too
+            raise self.fail("field 'step.transfer_overlap' must be a share from 0 to 1 (the part of a page "
+                            f"transfer's time hidden behind compute), got {transfer_overlap!r}")
+        transfer_overlap = float(transfer_overlap)
         idle_power_w = (self._number(data["idle_power_w"], "idle_power_w", "watts", positive=False)
                         if data.get("idle_power_w") is not None else None)
 
@@ -384,6 +398,7 @@ class _Validator:
             bwd_memory_bytes_per_s=memory_bytes_per_s.get("bwd"),
             optimizer_bytes_per_s=optimizer_bytes_per_s,
             **step_seconds,
+            transfer_overlap=transfer_overlap,
             idle_power_w=idle_power_w,
         )
 

@@ -59,3 +59,16 @@ def test_a_read_that_cannot_start_early_is_waited_for_in_place():
     seconds[6] = 2.0
     # the read starts at its own instruction, once node 2 is freed, and node 3 waits for it
     assert overlapped_step_s(ops, seconds, BLOCKED_IN_USE, 0.0) == pytest.approx(3.0 + 2.0 + 1.0)
+
+
+def test_a_transfer_that_shares_the_computes_core_holds_it_back_by_the_share_not_hidden():
+    ops = _ops()
+    seconds = [1.0 if op.kind == C else 0.0 for op in ops]
+    seconds[2], seconds[6] = 0.5, 0.5
+    assert overlapped_step_s(ops, seconds, IN_USE, 0.0, hidden_share=1.0) == pytest.approx(5.0)
+    assert overlapped_step_s(ops, seconds, IN_USE, 0.0, hidden_share=0.0) == pytest.approx(6.0)  # the plain sum
+    # half of each 0.5 s transfer is taken from the compute thread; the rest still runs behind it
+    assert overlapped_step_s(ops, seconds, IN_USE, 0.0, hidden_share=0.5) == pytest.approx(5.5)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="hidden_share"):
+            overlapped_step_s(ops, seconds, IN_USE, 0.0, hidden_share=bad)

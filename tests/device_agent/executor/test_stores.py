@@ -80,7 +80,12 @@ def test_page_round_trip_is_exact_and_files_go_away(tmp_path):
             assert torch.equal(original, restored) and original.stride() == restored.stride()
         assert back.storages[0].data_ptr() != entry.storages[0].data_ptr()  # really a new copy
         pages.delete(4)
-        assert pages.directory is None and os.listdir(tmp_path) == []  # the last page takes the directory along
+        directory = pages.directory  # kept for the next page-out (making it again costs each step), empty
+        assert os.listdir(directory) == ["owner.lock"]
+        pages.write(5, "layer.5", entry)
+        assert pages.directory == directory
+        pages.delete(5)
+    assert pages.directory is None and os.listdir(tmp_path) == []  # closing takes the directory along
 
 
 def test_corruption_is_detected_and_names_the_tensor(tmp_path):

@@ -97,7 +97,7 @@ def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict 
                       "page_out": priced.page_out_s}[ins.kind][ins.node]) if ins.kind != "free" else 0.0
                for ins in schedule.instructions]
     in_use = replay(graph.nodes, schedule.instructions, graph_label=graph.name).ram_timeline_bytes
-    overlapped_s = overlapped_step_s(schedule.instructions, seconds, in_use, 0.0)
+    overlapped_s = overlapped_step_s(schedule.instructions, seconds, in_use, 0.0, hidden_share=truth.transfer_overlap)
     for step in range(1, steps + 1):
         total = compute = paging = 0.0
         for position, ins in enumerate(schedule.instructions):
@@ -149,6 +149,24 @@ def test_the_fit_recovers_a_board_that_the_papers_model_cannot_describe():
     again = PlatformProfile.from_dict(json.loads(json.dumps(fitted.to_dict())))
     assert again.to_dict() == fitted.to_dict()
     assert energy_mape(fitted, runs) is None  # nothing was metered
+
+
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_the_fit_finds_how_much_of_the_paging_the_board_hides_behind_compute(share):
+    """A board whose I/O thread shares the compute's core hides only part of each transfer: the fit finds the
+    share, and the paging run is then predicted as measured (with the share left at 1 it is predicted short)."""
+    graph = _graph()
+    truth = dataclasses.replace(_true_profile(), transfer_overlap=share)
+    runs = [_telemetry(graph, s, truth, steps=6) for s in _schedules(graph)]
+    paging_run = runs[2]
+    hidden_all = predict_step(dataclasses.replace(truth, transfer_overlap=1.0), graph, paging_run.schedule)[0]
+    measured = paging_run.steps[-1]["duration_s"]
+    if share < 1:
+        assert hidden_all < measured * 0.99  # the share matters for this schedule
+    fitted = fit_profile(load_profile("a72"), runs, note="test")
+    assert fitted.transfer_overlap == pytest.approx(share)
+    assert step_time_mape(fitted, [paging_run]) < 1.0
+    assert ("step.transfer_overlap" in fitted.sources) and fitted.to_dict()["step"].get("transfer_overlap", 1.0) == share
 
 
 def test_backward_rates_change_the_price_of_a_recompute_only_plan():

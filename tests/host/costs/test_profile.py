@@ -276,6 +276,19 @@ def _mutated(mutate) -> dict:
             "unknown field(s) 'compute.class_node_overhead_s.fwd.attention'",
         ),
         (
+            lambda d: d.__setitem__("step", {"transfer_overlap": 1.5}),
+            "field 'step.transfer_overlap' must be a share from 0 to 1 (the part of a page transfer's time hidden "
+            "behind compute), got 1.5",
+        ),
+        (
+            lambda d: d.__setitem__("step", {"transfer_overlap": float("nan")}),
+            "field 'step.transfer_overlap' must be a share from 0 to 1",
+        ),
+        (
+            lambda d: d.__setitem__("step", {"transfer_overlap": "half"}),
+            "field 'step.transfer_overlap' must be a share from 0 to 1",
+        ),
+        (
             lambda d: d["sources"].__setitem__("page_in.latency_ms", "x"),
             "'sources' has an entry for unknown field 'page_in.latency_ms'",
         ),
@@ -316,3 +329,25 @@ def test_known_field_paths_cover_every_key_of_to_dict():
             assert f"{block}.{key}" in known
     for key in data["compute"]:
         assert f"compute.{key}" in known
+
+
+def test_a_transfer_overlap_share_round_trips_and_prices_a_paging_step_longer():
+    """step.transfer_overlap (absent: 1) reaches the priced graph, whose overlapped step grows as less is hidden."""
+    from host.costs.pricing import price_graph
+    from tests.host.calibrate.test_fit_profile import _graph, _schedules
+
+    data = _valid_dict()
+    data["step"] = {"transfer_overlap": 0.25}
+    profile = PlatformProfile.from_dict(data)
+    assert profile.transfer_overlap == 0.25 and profile.to_dict()["step"]["transfer_overlap"] == 0.25
+    assert PlatformProfile.from_dict(_valid_dict()).transfer_overlap == 1.0
+    assert "transfer_overlap" not in PlatformProfile.from_dict(_valid_dict()).to_dict().get("step", {})
+    graph = _graph()
+    paging = _schedules(graph)[2]
+    from device_agent.replay import replay
+
+    in_use = replay(graph.nodes, paging.instructions, graph_label=graph.name).ram_timeline_bytes
+    hidden = price_graph(graph, replace(profile, transfer_overlap=1.0)).overlapped_runtime_s(paging.instructions, in_use, 0)
+    shared = price_graph(graph, profile).overlapped_runtime_s(paging.instructions, in_use, 0)
+    serial = price_graph(graph, replace(profile, transfer_overlap=0.0)).overlapped_runtime_s(paging.instructions, in_use, 0)
+    assert hidden < shared < serial
