@@ -85,6 +85,8 @@ def instruction_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
         "node_kind": event.get("node_kind", ""), "recompute": bool(event.get("recompute", False)),
         "duration_s": float(event.get("duration_s", 0.0)), "bytes_moved": int(event.get("bytes_moved", 0)),
         "cpu_s": float(event.get("cpu_s", 0.0)),
+        # a free's RAM or flash (the fit prices page-file deletes apart from RAM frees)
+        "location": str(event.get("location", "LOCATION_RAM")).lower().removeprefix("location_"),
     }
 
 

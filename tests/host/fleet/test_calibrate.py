@@ -43,6 +43,10 @@ def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
         (1, "compute", 0, 0.5), (1, "page_out", 1, 0.25), (2, "compute", 0, 0.75)]
     assert instructions[1]["bytes_moved"] == 1 << 40 and instructions[0]["cpu_s"] == 0.4
     assert instructions[0]["node_name"] == "n0"
+    free = schedule_pb2.INSTRUCTION_KIND_FREE
+    frees, _ = telemetry_steps([_instruction(1, 0, free, 1, location=schedule_pb2.LOCATION_FLASH, duration_s=0.001),
+                                _instruction(2, 0, free, 2, duration_s=1e-6), _step(3, 1, duration_s=1.0)])
+    assert [(i["kind"], i["location"]) for i in frees] == [("free", "flash"), ("free", "ram")]  # deletes priced apart
     assert steps[0] == {"step": 1, "duration_s": 1.0, "optimizer_s": 0.1, "compute_s": 0.0, "paging_s": 0.0,
                         "cpu_s": 0.0, "energy_source": "measured:rapl", "timing_source": "", "energy_j": 2.0}
     assert steps[1]["step"] == 2 and steps[1]["duration_s"] == 0.8 and "energy_j" not in steps[1]
