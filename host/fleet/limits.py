@@ -16,7 +16,8 @@ MAX_WORKERS = 64  # server threads: each long poll and each telemetry stream hol
 STOP_GRACE_S = 5.0  # on shutdown, calls in flight get this long to finish
 DEFAULT_STATE_DIR = "poet-state"
 CALIBRATION_MODELS = ("mlp", "resnet18_cifar")  # `poet calibrate` default models
-CALIBRATION_STEPS = 20  # steps per calibration run: 10 fitted, 9 held out after the warm-up step
+CALIBRATION_STEPS = 40  # steps per calibration run: 20 fitted, 19 held out after the warm-up step (20 left the
+# medians of tiny steps to a few disturbed ones: bench/calibration.py --as-user)
 CALIBRATION_BATCH_SIZE = 8
 # What a board may send (host/fleet/validation.py): larger or odder values are refused at the door
 MAX_FACT_BYTES = 1 << 50  # a byte count a board reports (RAM, flash, limits): 1 PiB
