@@ -72,3 +72,15 @@ def test_a_transfer_that_shares_the_computes_core_holds_it_back_by_the_share_not
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="hidden_share"):
             overlapped_step_s(ops, seconds, IN_USE, 0.0, hidden_share=bad)
+
+
+def test_a_step_never_takes_more_than_the_plain_sum_and_takes_longer_as_less_is_hidden():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        for ops, in_use in ((_ops(), IN_USE), (_blocked_ops(), BLOCKED_IN_USE)):
+            seconds = [rng.random() for _ in ops]
+            steps = [overlapped_step_s(ops, seconds, in_use, 0.0, hidden_share=share) for share in (1.0, 0.6, 0.2, 0.0)]
+            assert steps[-1] == pytest.approx(sum(seconds))
+            assert all(a <= b + 1e-9 for a, b in zip(steps, steps[1:], strict=False)), steps
