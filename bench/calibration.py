@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from host.fleet.calibration import heavy_budget_bytes  # noqa: E402
+from host.fleet.calibration import heavy_budget_after_refusal  # noqa: E402
 from host.fleet.demo import Process, console_script, run_command  # noqa: E402
 
 BOARD, OPERATOR = "board", "operator"
@@ -79,12 +79,11 @@ def _unseen_runs(poet: str, env: dict[str, str], versions: dict[str, int], steps
                 run = _train_unseen(poet, env, steps, share, label, version, flags)
                 if run["status"] == "done":
                     break
-            floor, budget = run.get("min_ram_budget_bytes"), run.get("ram_budget_bytes")
-            if run["status"] == "does_not_fit" and floor and budget and floor > budget:
-                # the floor is above every share: halfway from it to the peak, as `poet calibrate` does
-                peak = round(budget / (float(share.rstrip("%")) / 100))
-                if floor < peak:
-                    run = _train_unseen(poet, env, steps, str(heavy_budget_bytes(floor, peak)), label, version, flags)
+            heavy = (heavy_budget_after_refusal(run.get("min_ram_budget_bytes"), run.get("ram_budget_bytes"),
+                                                float(share.rstrip("%")) / 100)
+                     if run["status"] == "does_not_fit" else None)
+            if heavy is not None:  # the floor is above every share: halfway from it to the peak, as `poet calibrate`
+                run = _train_unseen(poet, env, steps, str(heavy), label, version, flags)
             if run["status"] != "done":
                 raise SystemExit(f"the {label} run of {UNSEEN_MODEL} on profile v{version} ended {run['status']}: "
                                  f"{run.get('error') or run.get('detail')}")

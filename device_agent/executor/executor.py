@@ -406,7 +406,8 @@ class ScheduleExecutor:
         state.loss = float(loss) if loss is not None else float("nan")
         self.peak_pinned_bytes = self._lowered_peak_pinned_bytes
         ops = self.ops
-        paging_s = sum(runtime.transfer_s.values())  # the transfers' own time, in the I/O thread
+        # the transfers' own time, in the I/O thread (page-file deletes are timed there too, but are not transfers)
+        paging_s = sum(s for position, s in runtime.transfer_s.items() if ops[position].kind != "free")
         compute_s = 0.0
         for position in lowered.compute_positions:
             compute_s += clock_s[position + 1] - clock_s[position]

@@ -321,6 +321,16 @@ def heavy_budget_bytes(floor_bytes: int, peak_bytes: int) -> int:
     return floor_bytes + int(HEAVY_SHARE_ABOVE_FLOOR * (peak_bytes - floor_bytes))
 
 
+def heavy_budget_after_refusal(floor_bytes: int | None, refused_budget_bytes: float | None,
+                               refused_fraction: float) -> int | None:
+    """:func:`heavy_budget_bytes` for a model refused at ``refused_fraction`` of its no-remat peak
+    (``refused_budget_bytes``) because its floor is above it; None when the refusal had another cause."""
+    if not floor_bytes or not refused_budget_bytes or floor_bytes <= refused_budget_bytes:
+        return None
+    peak_bytes = round(refused_budget_bytes / refused_fraction)  # the budget was int(fraction x peak)
+    return heavy_budget_bytes(floor_bytes, peak_bytes) if floor_bytes < peak_bytes else None
+
+
 def _presolve(planner: Planner, board, request):
     """Solve (into the planner's schedule cache) what submitting ``request`` to ``board`` will run; the plan
     (its status, budget and floor), or None where the submission itself must say what is wrong."""
@@ -375,16 +385,14 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
                 plan = _presolve(planner, board_record, request)
                 if plan is not None and plan.status == RunStatus.QUEUED:
                     break
-            if (plan is not None and plan.status == RunStatus.DOES_NOT_FIT and plan.min_ram_budget_bytes
-                    and plan.ram_budget_bytes and plan.min_ram_budget_bytes > plan.ram_budget_bytes):
-                # the floor is above every share: halfway from the floor to the peak (a conv model at batch 8,
-                # whose kernels' own buffers make the floor 90% of the peak)
-                peak_bytes = round(plan.ram_budget_bytes / fraction)
-                if plan.min_ram_budget_bytes < peak_bytes:
-                    budget = heavy_budget_bytes(plan.min_ram_budget_bytes, peak_bytes)
-                    request = _request(calibration, ram_budget=fleet_pb2.RamBudget(budget_bytes=budget), **fields)
-                    budget_note = f"{budget} bytes, halfway from the floor to the no-remat peak"
-                    _presolve(planner, board_record, request)
+            # the floor above every share (a conv model at batch 8, whose kernels' own buffers make it 94% of the
+            # peak): halfway from the floor to the peak
+            budget = (heavy_budget_after_refusal(plan.min_ram_budget_bytes, plan.ram_budget_bytes, fraction)
+                      if plan is not None and plan.status == RunStatus.DOES_NOT_FIT else None)
+            if budget is not None:
+                request = _request(calibration, ram_budget=fleet_pb2.RamBudget(budget_bytes=budget), **fields)
+                budget_note = f"{budget} bytes, halfway from the floor to the no-remat peak"
+                _presolve(planner, board_record, request)
             chosen.append((model, label, request, budget_note))
     planned: list[dict[str, Any]] = []
     for model, label, request, budget_note in chosen:  # the schedules are cached: each submit answers at once

@@ -89,6 +89,8 @@ def test_lowered_steps_report_what_the_interpreted_step_measured(kind, tmp_path)
     summaries = events.steps()
     # transfers report their own time, which overlaps the program's: only the rest adds up within the step
     assert summaries[1].duration_s >= sum(e.duration_s for e in later[0] if e.kind not in ("page_in", "page_out"))
+    # paging time is the transfers' own, as interpreted: a page file's delete is timed but is not a transfer
+    assert summaries[1].paging_s == pytest.approx(sum(e.duration_s for e in later[0] if e.kind in ("page_in", "page_out")))
     for result in results[1:]:
         assert result.counters.plan_counts() == results[0].counters.plan_counts()
         assert result.counters.bytes_paged_out == results[0].counters.bytes_paged_out

@@ -148,7 +148,7 @@ def test_a_model_whose_floor_is_above_every_heavy_share_gets_a_budget_between_fl
     """small_cnn_images at batch 8: its convolutions' own buffers put the hard floor at 94% of the no-remat
     peak, above 50/65/80%. `poet calibrate` (and the bench) then train the heavy schedules halfway from the
     floor to the peak, where a recompute-only and a paging-only schedule both exist and must do real work."""
-    from host.fleet.calibration import HEAVY_FRACTIONS_OF_PEAK, heavy_budget_bytes
+    from host.fleet.calibration import HEAVY_FRACTIONS_OF_PEAK, heavy_budget_after_refusal, heavy_budget_bytes
     from host.run.solve import SolveSettings, prepare_solve, solve
     from host.run.sources import ModelSource
     from host.solver.solve import minimum_ram_bytes
@@ -166,3 +166,8 @@ def test_a_model_whose_floor_is_above_every_heavy_share_gets_a_budget_between_fl
         assert getattr(report, moved) > 0, report.to_dict()
     with pytest.raises(ValueError, match="floor"):
         heavy_budget_bytes(peak + 1, peak)
+    # from a refusal as `poet run --json` reports it (the budget and the floor): the peak is recovered
+    refused = int(max(HEAVY_FRACTIONS_OF_PEAK) * peak)
+    assert abs(heavy_budget_after_refusal(floor, refused, max(HEAVY_FRACTIONS_OF_PEAK)) - budget) <= 1
+    assert heavy_budget_after_refusal(refused - 1, refused, max(HEAVY_FRACTIONS_OF_PEAK)) is None  # another cause
+    assert heavy_budget_after_refusal(None, refused, max(HEAVY_FRACTIONS_OF_PEAK)) is None
