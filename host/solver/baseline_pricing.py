@@ -28,6 +28,7 @@ from host.solver.validator import ScheduleValidationError, ValidationReport, val
 
 KEEP_ALL = "keep all (plain PyTorch)"
 GREEDY = "greedy"
+GREEDY_FROM_COVER = "greedy from the eviction cover"
 
 
 @dataclass
@@ -111,8 +112,11 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
-                    deadline: Deadline | None = None) -> list[BaselineResult]:
+                    cover_policy: list[str] | None = None, deadline: Deadline | None = None) -> list[BaselineResult]:
     """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
+
+    With ``cover_policy`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
+    runs from that policy instead of keeping everything, and is priced as a baseline of its own.
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
     """
@@ -126,6 +130,9 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
             if greedy:
                 results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime,
                                    deadline)
+                if cover_policy is not None and not deadline.expired():
+                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                       paging_in_runtime, deadline, cover_policy, GREEDY_FROM_COVER)
             continue
         if isinstance(plan, BaselineDoesNotFitError):
             results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))
@@ -138,14 +145,15 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
     return results
 
 
-def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline) -> list:
+def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
+            initial_policy: list[str] | None = None, name: str = GREEDY) -> list:
     plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
-                              paging_in_runtime=paging_in_runtime, deadline=deadline)
+                              paging_in_runtime=paging_in_runtime, deadline=deadline, initial_policy=initial_policy)
     if plan is not None:
-        return [price_plan(GREEDY, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
+        return [price_plan(name, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
     if deadline.expired():
         return []
-    return [BaselineResult(GREEDY, "infeasible", None, None, None, "the greedy found no plan within the budgets")]
+    return [BaselineResult(name, "infeasible", None, None, None, f"the {name} found no plan within the budgets")]
 
 
 def cheapest_feasible(results: list[BaselineResult]) -> list[BaselineResult]:

@@ -19,10 +19,13 @@ the MILP's own bound stays near the compute-once energy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from host.costs.priced_graph import PricedGraph
 from host.solver.milp import MilpProblem
+from host.solver.policy_search import KEEP, PAGE, RECOMPUTE
 
 # The covering problem gets at most this long; its best proven bound is used if it is not closed by then.
 EVICTION_BOUND_TIME_LIMIT_S = 5.0
@@ -50,6 +53,24 @@ def stage_excess_bytes(priced: PricedGraph, ram_budget_bytes: float) -> tuple[np
     return excess, live
 
 
+@dataclass
+class EvictionCover:
+    """The covering problem's answer: its proven bound (J, compute-once energy included) and its evictions."""
+
+    bound_j: float
+    recomputed: set[int] = field(default_factory=set)  # tensors its best cover restores by recomputation
+    paged: set[int] = field(default_factory=set)  # tensors its best cover restores by paging
+
+    def policy(self, size: int) -> list[str]:
+        """The evictions as one policy per node (host.solver.policy_search): a start for the greedy."""
+        chosen = [KEEP] * size
+        for i in self.recomputed:
+            chosen[i] = RECOMPUTE
+        for i in self.paged:
+            chosen[i] = PAGE
+        return chosen
+
+
 def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
                      remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
                      time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S) -> float | None:
@@ -58,6 +79,15 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
     None when the covering problem has no solution (then no schedule fits either; the MILP says why) or
     when HiGHS proves nothing within ``time_limit_s``.
     """
+    cover = eviction_cover(priced, ram_budget_bytes, runtime_budget_s, remat=remat, paging=paging,
+                           paging_in_runtime=paging_in_runtime, time_limit_s=time_limit_s)
+    return None if cover is None else cover.bound_j
+
+
+def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
+                   remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
+                   time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S) -> EvictionCover | None:
+    """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`."""
     from host.solver.backends.highs import prepared_highs  # highspy loads only when a bound is wanted
 
     graph = priced.graph
@@ -65,7 +95,7 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
     excess, live = stage_excess_bytes(priced, ram_budget_bytes)
     binding = [stage for stage in range(graph.size) if excess[stage] > 0]
     if not binding:
-        return compute_once_j
+        return EvictionCover(compute_once_j)
     if not (remat or paging):
         return None
     out_bytes = [node.output_bytes for node in graph.nodes]
@@ -75,6 +105,8 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
 
     problem = MilpProblem("eviction bound")
     restore: dict[tuple[int, int], list[int]] = {}  # (tensor, gap) -> [recompute col, page-in col]
+    recompute_cols: dict[int, int] = {}  # column -> tensor
+    page_in_cols: dict[int, int] = {}
     page_out_col: dict[int, int] = {}
     recompute_time: list[tuple[int, float]] = []
     paging_time: list[tuple[int, float]] = []
@@ -87,10 +119,12 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
             if remat:
                 col = problem.add_var(cost=priced.compute_j[i] / cost_scale_j)
                 recompute_time.append((col, float(priced.compute_s[i])))
+                recompute_cols[col] = i
                 cols.append(col)
             if paging:
                 col = problem.add_var(cost=priced.page_in_j[i] / cost_scale_j)
                 paging_time.append((col, float(priced.page_in_s[i])))
+                page_in_cols[col] = i
                 if i not in page_out_col:
                     page_out_col[i] = problem.add_var(cost=priced.page_out_j[i] / cost_scale_j)
                     paging_time.append((page_out_col[i], float(priced.page_out_s[i])))
@@ -121,4 +155,9 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
     if not np.isfinite(bound) or abs(bound) >= 1e29:
         return None
     extra_j = max(0.0, float(bound)) * cost_scale_j * (1 - _BOUND_SAFETY_RTOL)
-    return compute_once_j + extra_j
+    cover = EvictionCover(compute_once_j + extra_j)
+    if highs.getInfo().primal_solution_status == 2:  # kSolutionStatusFeasible
+        x = highs.getSolution().col_value
+        cover.recomputed = {i for col, i in recompute_cols.items() if x[col] > 0.5}
+        cover.paged = {i for col, i in page_in_cols.items() if x[col] > 0.5}
+    return cover

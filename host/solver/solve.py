@@ -19,7 +19,7 @@ from host.solver.baseline_pricing import (
 )
 from host.solver.baselines import keep_all_plan
 from host.solver.deadline import DEFAULT_TIME_LIMIT_S, Deadline, DeadlineExpired
-from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S, eviction_bound_j
+from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S, eviction_cover
 from host.solver.milp import ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
@@ -194,17 +194,19 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     try:
         if use_baselines:
             _report_phase(progress, started, "lower bound")
-            eviction_j = eviction_bound_j(
+            cover = eviction_cover(
                 priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat, paging=options.paging,
                 paging_in_runtime=options.paging_in_runtime,
                 time_limit_s=min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf)))
-            floor_bound_j = _lower_bound_j(floor_bound_j, eviction_j)
+            floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
+            evicts = cover is not None and bool(cover.recomputed or cover.paged)
+            cover_policy = cover.policy(priced.graph.size) if evicts else None
             _report_phase(progress, started, "warm start")
             warm_deadline = Deadline(None if options.time_limit_s is None else
                                      _WARM_START_SHARE * options.time_limit_s, started)
             baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
                                         paging=options.paging, paging_in_runtime=options.paging_in_runtime,
-                                        deadline=warm_deadline)
+                                        cover_policy=cover_policy, deadline=warm_deadline)
             offers = cheapest_feasible(baselines)
             # A baseline within the gap of the bound proven so far is optimal without the MILP.
             if offers and options.shortcut_non_binding:
