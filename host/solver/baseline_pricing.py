@@ -128,11 +128,13 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
             break
         if plan is _GREEDY_TURN:
             if greedy:
-                results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime,
-                                   deadline)
-                if cover_policy is not None and not deadline.expired():
+                # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
+                if cover_policy is not None:
                     results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, deadline, cover_policy, GREEDY_FROM_COVER)
+                if not deadline.expired():
+                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                       paging_in_runtime, deadline)
             continue
         if isinstance(plan, BaselineDoesNotFitError):
             results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))

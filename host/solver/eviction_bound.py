@@ -31,6 +31,8 @@ from host.solver.policy_search import KEEP, PAGE, RECOMPUTE
 EVICTION_BOUND_TIME_LIMIT_S = 5.0
 # HiGHS proves bounds to its tolerances: the extra energy it proves is trusted to this relative margin.
 _BOUND_SAFETY_RTOL = 1e-6
+_WAIT_PERIOD_S = 0.05  # how often the wait for HiGHS lets a signal through
+_CANCEL_GRACE_S = 1.0  # after a cancel, HiGHS gets this long to stop before the interrupt is raised anyway
 
 
 def stage_excess_bytes(priced: PricedGraph, ram_budget_bytes: float) -> tuple[np.ndarray, list[list[int]]]:
@@ -146,7 +148,7 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
 
     highs = prepared_highs(problem, mip_gap=1e-9, threads=1, start=None, presolve=True)
     highs.setOptionValue("time_limit", float(max(0.1, time_limit_s)))
-    highs.run()
+    _run_interruptibly(highs)
     import highspy
 
     if highs.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
@@ -161,3 +163,16 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         cover.recomputed = {i for col, i in recompute_cols.items() if x[col] > 0.5}
         cover.paged = {i for col, i in page_in_cols.items() if x[col] > 0.5}
     return cover
+
+
+def _run_interruptibly(highs) -> None:
+    """``highs.run()``, but a Ctrl-C (or SIGTERM turned into one) stops HiGHS at once and is raised."""
+    highs.HandleUserInterrupt = True  # so that cancelSolve stops the run
+    highs.startSolve()
+    try:
+        while not highs.wait(_WAIT_PERIOD_S)[0]:
+            pass
+    except KeyboardInterrupt:
+        highs.cancelSolve()
+        highs.wait(_CANCEL_GRACE_S)
+        raise

@@ -93,3 +93,25 @@ def test_the_greedy_also_starts_from_the_covers_evictions_and_does_better_on_res
     assert rows[GREEDY].feasible and rows[GREEDY_FROM_COVER].feasible
     # measured: 0.5333 J from the cover, 0.5403 J from keeping everything; the bound 0.5111 J
     assert cover.bound_j <= rows[GREEDY_FROM_COVER].energy_j < rows[GREEDY].energy_j * (1 - 0.005)
+
+
+@pytest.mark.slow  # ~10 s: traces MobileNetV2
+def test_a_ctrl_c_while_the_bound_is_solved_lands_at_once():
+    """The covering problem of MobileNetV2 at 30% on a72 takes HiGHS seconds; a Ctrl-C must not wait for it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from host.costs import price_graph
+    from host.run.sources import ModelSource, load_platform
+
+    priced = price_graph(ModelSource("tests.models.huggingface:mobilenet_v2").resolve().graph, load_platform("a72"))
+    budget, runtime = 0.3 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        eviction_cover(priced, budget, runtime, time_limit_s=30)
+        time.sleep(5)  # not reached if the interrupt landed while the bound was solved
+    assert time.perf_counter() - started < 2.5
