@@ -112,11 +112,13 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
-                    cover_policy: list[str] | None = None, deadline: Deadline | None = None) -> list[BaselineResult]:
+                    cover_policy: list[str] | None = None, enough_j: float | None = None,
+                    deadline: Deadline | None = None) -> list[BaselineResult]:
     """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
 
     With ``cover_policy`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
-    runs from that policy instead of keeping everything, and is priced as a baseline of its own.
+    runs from that policy instead of keeping everything, and is priced as a baseline of its own; when
+    that plan costs at most ``enough_j`` (already proven optimal within the gap), the plain greedy is skipped.
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
     """
@@ -132,6 +134,8 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
                 if cover_policy is not None:
                     results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, deadline, cover_policy, GREEDY_FROM_COVER)
+                    if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
+                        continue
                 if not deadline.expired():
                     results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, deadline)

@@ -115,3 +115,16 @@ def test_a_ctrl_c_while_the_bound_is_solved_lands_at_once():
         eviction_cover(priced, budget, runtime, time_limit_s=30)
         time.sleep(5)  # not reached if the interrupt landed while the bound was solved
     assert time.perf_counter() - started < 2.5
+
+
+def test_the_plain_greedy_is_skipped_when_the_greedy_from_the_cover_is_already_good_enough():
+    priced = price_simply(random_training_graph(3, 6), page_j_per_byte=1e-3)
+    budget = max(minimum_ram_bytes(priced), 0.5 * no_remat_peak_bytes(priced))
+    runtime = 1.2 * priced.base_runtime_s
+    policy = eviction_cover(priced, budget, runtime).policy(priced.graph.size)
+    both = {row.name: row for row in price_baselines(priced, budget, runtime, cover_policy=policy)}
+    assert both[GREEDY_FROM_COVER].feasible and GREEDY in both
+    enough = {row.name for row in price_baselines(priced, budget, runtime, cover_policy=policy,
+                                                  enough_j=both[GREEDY_FROM_COVER].energy_j)}
+    assert GREEDY_FROM_COVER in enough and GREEDY not in enough
+    assert "checkpoint_sequential(2)" in enough  # the other baselines are all priced
