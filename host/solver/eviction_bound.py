@@ -31,8 +31,6 @@ from host.solver.policy_search import KEEP, PAGE, RECOMPUTE
 EVICTION_BOUND_TIME_LIMIT_S = 5.0
 # HiGHS proves bounds to its tolerances: the extra energy it proves is trusted to this relative margin.
 _BOUND_SAFETY_RTOL = 1e-6
-_WAIT_PERIOD_S = 0.05  # how often the wait for HiGHS lets a signal through
-_CANCEL_GRACE_S = 1.0  # after a cancel, HiGHS gets this long to stop before the interrupt is raised anyway
 
 
 def stage_excess_bytes(priced: PricedGraph, ram_budget_bytes: float) -> tuple[np.ndarray, list[list[int]]]:
@@ -90,7 +88,7 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                    remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
                    time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S) -> EvictionCover | None:
     """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`."""
-    from host.solver.backends.highs import prepared_highs  # highspy loads only when a bound is wanted
+    from host.solver.backends.highs import solve_highs  # HiGHS solves in its worker process, as the MILP does
 
     graph = priced.graph
     compute_once_j = float(priced.compute_j.sum())
@@ -146,33 +144,15 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         if timed and any(seconds > 0 for _, seconds in timed):
             problem.add_row_unit_scaled([(col, s) for col, s in timed if s > 0], ub=slack_s)
 
-    highs = prepared_highs(problem, mip_gap=1e-9, threads=1, start=None, presolve=True)
-    highs.setOptionValue("time_limit", float(max(0.1, time_limit_s)))
-    _run_interruptibly(highs)
-    import highspy
-
-    if highs.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+    result = solve_highs(problem, time_limit_s=max(0.1, time_limit_s), mip_gap=1e-9, threads=1, presolve=True)
+    if result.interrupted:
+        raise KeyboardInterrupt  # the user stopped the solve while its bound was proven: stop as in any phase
+    if result.status == "infeasible" or result.bound is None:
         return None
-    bound = highs.getInfo().mip_dual_bound
-    if not np.isfinite(bound) or abs(bound) >= 1e29:
-        return None
-    extra_j = max(0.0, float(bound)) * cost_scale_j * (1 - _BOUND_SAFETY_RTOL)
+    extra_j = max(0.0, float(result.bound)) * cost_scale_j * (1 - _BOUND_SAFETY_RTOL)
     cover = EvictionCover(compute_once_j + extra_j)
-    if highs.getInfo().primal_solution_status == 2:  # kSolutionStatusFeasible
-        x = highs.getSolution().col_value
-        cover.recomputed = {i for col, i in recompute_cols.items() if x[col] > 0.5}
-        cover.paged = {i for col, i in page_in_cols.items() if x[col] > 0.5}
+    if result.x is not None:
+        cover.recomputed = {i for col, i in recompute_cols.items() if result.x[col] > 0.5}
+        cover.paged = {i for col, i in page_in_cols.items() if result.x[col] > 0.5}
     return cover
 
-
-def _run_interruptibly(highs) -> None:
-    """``highs.run()``, but a Ctrl-C (or SIGTERM turned into one) stops HiGHS at once and is raised."""
-    highs.HandleUserInterrupt = True  # so that cancelSolve stops the run
-    highs.startSolve()
-    try:
-        while not highs.wait(_WAIT_PERIOD_S)[0]:
-            pass
-    except KeyboardInterrupt:
-        highs.cancelSolve()
-        highs.wait(_CANCEL_GRACE_S)
-        raise
