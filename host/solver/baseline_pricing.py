@@ -28,6 +28,7 @@ from host.solver.validator import ScheduleValidationError, ValidationReport, val
 
 KEEP_ALL = "keep all (plain PyTorch)"
 GREEDY = "greedy"
+GREEDY_FROM_COVER = "greedy from the eviction cover"
 
 
 @dataclass
@@ -111,8 +112,13 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
+                    cover_policy: list[str] | None = None, enough_j: float | None = None,
                     deadline: Deadline | None = None) -> list[BaselineResult]:
     """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
+
+    With ``cover_policy`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
+    runs from that policy instead of keeping everything, and is priced as a baseline of its own; when
+    that plan costs at most ``enough_j`` (already proven optimal within the gap), the plain greedy is skipped.
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
     """
@@ -124,8 +130,15 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
             break
         if plan is _GREEDY_TURN:
             if greedy:
-                results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime,
-                                   deadline)
+                # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
+                if cover_policy is not None:
+                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                       paging_in_runtime, deadline, cover_policy, GREEDY_FROM_COVER)
+                    if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
+                        continue
+                if not deadline.expired():
+                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                       paging_in_runtime, deadline)
             continue
         if isinstance(plan, BaselineDoesNotFitError):
             results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))
@@ -138,14 +151,15 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
     return results
 
 
-def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline) -> list:
+def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
+            initial_policy: list[str] | None = None, name: str = GREEDY) -> list:
     plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
-                              paging_in_runtime=paging_in_runtime, deadline=deadline)
+                              paging_in_runtime=paging_in_runtime, deadline=deadline, initial_policy=initial_policy)
     if plan is not None:
-        return [price_plan(GREEDY, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
+        return [price_plan(name, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
     if deadline.expired():
         return []
-    return [BaselineResult(GREEDY, "infeasible", None, None, None, "the greedy found no plan within the budgets")]
+    return [BaselineResult(name, "infeasible", None, None, None, f"the {name} found no plan within the budgets")]
 
 
 def cheapest_feasible(results: list[BaselineResult]) -> list[BaselineResult]:

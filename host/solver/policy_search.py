@@ -118,15 +118,17 @@ def greedy_policy_plan(
     candidate_limit: int = 20,
     relief_exponent: float = 1.5,
     deadline: Deadline | None = None,
+    initial_policy: list[str] | None = None,
 ) -> StagePlan | None:
     """Greedy eviction until every stage fits; None if it gets stuck or ``deadline`` passes first.
 
-    Once every stage fits, the local search that follows stops at ``deadline`` with the plan it has.
+    The search starts from ``initial_policy`` (default: keep everything). Once every stage fits, the
+    local search that follows stops at ``deadline`` with the plan it has.
     """
     deadline = deadline or Deadline.none()
     graph = priced.graph
     size = graph.size
-    policy = [KEEP] * size
+    policy = list(initial_policy) if initial_policy is not None else [KEEP] * size
     moves = [PAGE] if paging else []
     if remat:
         moves += [RECOMPUTE, RECOMPUTE_ONCE]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from host.solver.baseline_pricing import (
 )
 from host.solver.baselines import keep_all_plan
 from host.solver.deadline import DEFAULT_TIME_LIMIT_S, Deadline, DeadlineExpired
+from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S, eviction_cover
 from host.solver.milp import ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
@@ -64,7 +66,8 @@ class SolveResult:
     interrupted: bool = False  # the user stopped the solve (Ctrl-C); the schedule is its incumbent
     retries: tuple[str, ...] = ()  # why an answer was not trusted and solved again, in order
     baselines: list[BaselineResult] = field(default_factory=list)  # priced on the same profile (see solve_schedule)
-    bound_j: float | None = None  # the best proven lower bound on the energy (J), when the MILP ran
+    # The best proven lower bound on the energy (J): the MILP's, the eviction bound's or compute-once energy.
+    bound_j: float | None = None
 
 
 def minimum_ram_bytes(priced: PricedGraph) -> int:
@@ -186,26 +189,40 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     # The paper's formulation is run as the paper ran it: no warm start, no baselines, no bound shortcut.
     use_baselines = options.warm_start and options.formulation == "poet-edge"
     outcome: SolveResult | None = None
+    # Proven before any search: every node computed once, and (poet-edge) the evictions the budget forces.
+    floor_bound_j = float(priced.compute_j.sum())
     try:
         if use_baselines:
+            _report_phase(progress, started, "lower bound")
+            cover = eviction_cover(
+                priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat, paging=options.paging,
+                paging_in_runtime=options.paging_in_runtime,
+                time_limit_s=min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf)))
+            floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
+            evicts = cover is not None and bool(cover.recomputed or cover.paged)
+            cover_policy = cover.policy(priced.graph.size) if evicts else None
+            # A baseline at or below this energy is within the gap of the bound: optimal, nothing more to search.
+            proven_optimal_below_j = (floor_bound_j / (1 - options.mip_gap)
+                                      if options.shortcut_non_binding and options.mip_gap < 1 else None)
             _report_phase(progress, started, "warm start")
             warm_deadline = Deadline(None if options.time_limit_s is None else
                                      _WARM_START_SHARE * options.time_limit_s, started)
             baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
                                         paging=options.paging, paging_in_runtime=options.paging_in_runtime,
+                                        cover_policy=cover_policy, enough_j=proven_optimal_below_j,
                                         deadline=warm_deadline)
             offers = cheapest_feasible(baselines)
-            # Every node is computed at least once, so compute-once energy bounds every schedule from
-            # below; a baseline within the gap of that bound is proven optimal without the MILP.
+            # A baseline within the gap of the bound proven so far is optimal without the MILP.
             if offers and options.shortcut_non_binding:
                 best = offers[0]
-                bound_j = _lower_bound_j(priced, None)
-                gap = _relative_gap(best.energy_j, bound_j)
+                gap = _relative_gap(best.energy_j, floor_bound_j)
                 if gap <= options.mip_gap:
                     return _baseline_answer(
-                        priced, best, options, runtime_budget_s, started, baselines, None, common, status="optimal",
-                        message=(f"the {best.name} schedule is within {gap:.3%} of the compute-once lower bound "
-                                 f"{bound_j:.6g} J: optimal within the gap {options.mip_gap:g}"))
+                        priced, best, options, runtime_budget_s, started, baselines, None, common, floor_bound_j,
+                        status="optimal",
+                        message=(f"the {best.name} schedule is within {gap:.3%} of the lower bound "
+                                 f"{floor_bound_j:.6g} J (compute-once energy and forced evictions): optimal within "
+                                 f"the gap {options.mip_gap:g}"))
         # Model building and the MILP stop early enough to leave the reserve for the answer's validation.
         work_deadline = Deadline(None if options.time_limit_s is None else options.time_limit_s - reserve_s, started)
         work_deadline.check("pricing the baselines")
@@ -218,7 +235,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             if start is not None:
                 break
         outcome = _solve_milp(priced, formulation, options, runtime_budget_s, start, started, floor_bytes,
-                              work_deadline, progress)
+                              work_deadline, progress, floor_bound_j)
     except DeadlineExpired as expired:
         if not offers:
             return SolveResult("timeout", None, None, None, None, time.perf_counter() - started,
@@ -226,13 +243,14 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                        f"{options.time_limit_s:g} s; raise --time-limit",
                                baselines=baselines, **common)
         return _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
-                                message=f"{expired}: the best baseline is returned")
+                                floor_bound_j, message=f"{expired}: the best baseline is returned")
     if offers and (outcome.schedule is None or offers[0].energy_j < outcome.objective_j):
         # Never worse than the best baseline: a MILP stopped early, or whose model does not admit the baseline.
         best = offers[0]
         why = (f"the MILP found no schedule ({outcome.status}: {outcome.message})" if outcome.schedule is None else
                f"the MILP's schedule ({outcome.objective_j:.9g} J, {outcome.status}) costs more")
         answer = _baseline_answer(priced, best, options, runtime_budget_s, started, baselines, outcome, common,
+                                  floor_bound_j,
                                   message=f"{why}: the {best.name} schedule ({best.energy_j:.9g} J) is returned")
         answer.retries, answer.interrupted = outcome.retries, outcome.interrupted
         return answer
@@ -245,6 +263,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 
 # The warm start (baselines and the greedy) gets at most this share of the time limit, so the MILP has time.
 _WARM_START_SHARE = 0.3
+# The eviction bound gets at most this share of the time limit (and EVICTION_BOUND_TIME_LIMIT_S).
+_BOUND_SHARE = 0.05
 # Feasible baselines tried as the MILP start, cheapest first (one the model does not admit maps to None).
 _STARTS_TRIED = 4
 # The reserve kept for after the MILP: this many replays of plain training (solution, polish, validation)
@@ -269,7 +289,7 @@ _MILP_MIN_S = 2.0
 
 
 def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: float, start, started: float,
-                floor_bytes: int, deadline: Deadline, progress) -> SolveResult:
+                floor_bytes: int, deadline: Deadline, progress, floor_bound_j: float) -> SolveResult:
     """The MILP, retried without the start and then without presolve while its answers disagree with themselves.
 
     ``deadline`` is the MILP's: the solve's own, less the reserve for validating and polishing the answer.
@@ -301,7 +321,7 @@ def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: fl
             deadline_at=deadline.at,
         )
         outcome = _checked_outcome(priced, formulation, options, runtime_budget_s, result, started, floor_bytes,
-                                   sizes)
+                                   sizes, floor_bound_j)
         distrust = outcome.message if outcome.status == "untrusted" else None
         if distrust is None or result.interrupted:
             break
@@ -318,10 +338,10 @@ def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: fl
 
 
 def _baseline_answer(priced: PricedGraph, baseline: BaselineResult, options: SolveOptions, runtime_budget_s: float,
-                     started: float, baselines: list[BaselineResult], milp: SolveResult | None, common: dict, *,
-                     message: str, status: str | None = None) -> SolveResult:
+                     started: float, baselines: list[BaselineResult], milp: SolveResult | None, common: dict,
+                     floor_bound_j: float, *, message: str, status: str | None = None) -> SolveResult:
     """A feasible baseline as the answer, validated like any other, with the gap proven against the best bound."""
-    bound_j = _lower_bound_j(priced, milp.bound_j if milp is not None else None)
+    bound_j = _lower_bound_j(floor_bound_j, milp.bound_j if milp is not None else None)
     gap = _relative_gap(baseline.energy_j, bound_j)
     if status is None:
         status = "optimal" if gap <= options.mip_gap else "feasible"
@@ -330,7 +350,7 @@ def _baseline_answer(priced: PricedGraph, baseline: BaselineResult, options: Sol
                                gap, elapsed)
     sizes = {} if milp is None else dict(model_columns=milp.model_columns, model_rows=milp.model_rows)
     return SolveResult(status, schedule, report, report.energy_j, gap, elapsed, message=message, plan=baseline.plan,
-                       baselines=baselines, **common, **sizes)
+                       baselines=baselines, bound_j=bound_j, **common, **sizes)
 
 
 # Relative tolerance between the solver's objective, its columns' objective and the validated energy.
@@ -338,10 +358,9 @@ def _baseline_answer(priced: PricedGraph, baseline: BaselineResult, options: Sol
 OBJECTIVE_AGREEMENT_RTOL = 1e-6
 
 
-def _lower_bound_j(priced: PricedGraph, solver_bound_j: float | None) -> float:
-    """The best proven lower bound: the solver's, or computing every node once (no schedule does less)."""
-    compute_once_j = float(priced.compute_j.sum())
-    return compute_once_j if solver_bound_j is None else max(solver_bound_j, compute_once_j)
+def _lower_bound_j(floor_bound_j: float, solver_bound_j: float | None) -> float:
+    """The best proven lower bound: the solver's, or the one proven before it ran (compute-once energy, at least)."""
+    return floor_bound_j if solver_bound_j is None else max(solver_bound_j, floor_bound_j)
 
 
 def _relative_gap(energy_j: float, bound_j: float) -> float:
@@ -355,11 +374,12 @@ def _report_phase(progress: ProgressCallback | None, started: float, phase: str)
 
 
 def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_s: float, result, started: float,
-                     floor_bytes: int, sizes: dict) -> SolveResult:
+                     floor_bytes: int, sizes: dict, floor_bound_j: float) -> SolveResult:
     """Turn a backend's answer into a SolveResult; status "untrusted" when its numbers disagree."""
     elapsed = time.perf_counter() - started
+    bound_j = _lower_bound_j(floor_bound_j, result.bound)
     common = dict(runtime_budget_s=runtime_budget_s, minimum_ram_bytes=floor_bytes, interrupted=result.interrupted,
-                  bound_j=result.bound, **sizes)
+                  bound_j=bound_j, **sizes)
     if result.x is None:
         status, message = result.status, result.message
         if status in ("optimal", "feasible"):  # a solver that claims an answer but gives no columns
@@ -392,7 +412,6 @@ def _checked_outcome(priced, formulation, options: SolveOptions, runtime_budget_
         disagreements.append(f"the columns cost {columns_j:.9g} J but the validator replays {report.energy_j:.9g} J")
     # The gap that is actually proven: the validated energy against the solver's lower bound.
     # Computing every node once is a lower bound of its own, so a gap is always proven.
-    bound_j = _lower_bound_j(priced, result.bound)
     pruned = None if disagreements else drop_unread_pages(plan)
     if pruned is not None:  # checked as solved; then polished: cheaper, same RAM, re-validated
         try:

@@ -1,0 +1,158 @@
+"""A proven lower bound on a schedule's energy from the evictions the RAM budget forces at each stage.
+
+When stage t computes its node, the RAM holds at least that node's inputs, its output and its workspace,
+plus every tensor computed earlier and read after stage t that has not been evicted (host.solver.poet_milp,
+constraint 5, at the stage's own position). Where keeping them all exceeds the budget, the stage must
+evict tensors holding the excess. A tensor evicted between two of its uses must be back in RAM by the
+next use: recomputed (its compute energy) or paged in (its page-in energy, and a page-out once per
+tensor) somewhere in that gap. Gaps between uses are disjoint, so each gap with an eviction costs one
+restoration.
+
+Choosing the cheapest evictions that cover every stage's excess (binaries per tensor and gap, the
+recomputation time within the runtime budget) is a small covering problem whose every schedule's
+energy is at least its optimum: a relaxation of the MILP. It ignores what a recomputation needs in RAM
+and a stage's other positions, so it is weaker than the MILP's optimum, but it is integral: where the
+MILP's LP spreads a large tensor's eviction thinly over many stages, this bound pays for it whole. It
+is solved in a fraction of a second (traced resnet50, 351 nodes: 0.5 s) and lifts the proven gap where
+the MILP's own bound stays near the compute-once energy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from host.costs.priced_graph import PricedGraph
+from host.solver.milp import MilpProblem
+from host.solver.policy_search import KEEP, PAGE, RECOMPUTE
+
+# The covering problem gets at most this long; its best proven bound is used if it is not closed by then.
+EVICTION_BOUND_TIME_LIMIT_S = 5.0
+# HiGHS proves bounds to its tolerances: the extra energy it proves is trusted to this relative margin.
+_BOUND_SAFETY_RTOL = 1e-6
+
+
+def stage_excess_bytes(priced: PricedGraph, ram_budget_bytes: float) -> tuple[np.ndarray, list[list[int]]]:
+    """Per stage: the bytes by which keeping every live tensor exceeds the budget, and those tensors.
+
+    A live tensor of stage t was computed before t, is read by a later stage, is not an input of t, and
+    has bytes; the stage's inputs, output and workspace are held whatever the schedule.
+    """
+    graph = priced.graph
+    out_bytes = np.array([node.output_bytes for node in graph.nodes], dtype=float)
+    last_use = graph.last_use
+    excess = np.zeros(graph.size)
+    live: list[list[int]] = []
+    for stage, node in enumerate(graph.nodes):
+        inputs = set(node.deps)
+        held = float(sum(out_bytes[d] for d in inputs) + out_bytes[stage] + node.workspace_bytes)
+        candidates = [i for i in range(stage) if i not in inputs and out_bytes[i] > 0 and last_use[i] > stage]
+        excess[stage] = held + float(out_bytes[candidates].sum()) - ram_budget_bytes
+        live.append(candidates)
+    return excess, live
+
+
+@dataclass
+class EvictionCover:
+    """The covering problem's answer: its proven bound (J, compute-once energy included) and its evictions."""
+
+    bound_j: float
+    recomputed: set[int] = field(default_factory=set)  # tensors its best cover restores by recomputation
+    paged: set[int] = field(default_factory=set)  # tensors its best cover restores by paging
+
+    def policy(self, size: int) -> list[str]:
+        """The evictions as one policy per node (host.solver.policy_search): a start for the greedy."""
+        chosen = [KEEP] * size
+        for i in self.recomputed:
+            chosen[i] = RECOMPUTE
+        for i in self.paged:
+            chosen[i] = PAGE
+        return chosen
+
+
+def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
+                     remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
+                     time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S) -> float | None:
+    """A lower bound on the energy (J) of every schedule within the budgets, compute-once energy included.
+
+    None when the covering problem has no solution (then no schedule fits either; the MILP says why) or
+    when HiGHS proves nothing within ``time_limit_s``.
+    """
+    cover = eviction_cover(priced, ram_budget_bytes, runtime_budget_s, remat=remat, paging=paging,
+                           paging_in_runtime=paging_in_runtime, time_limit_s=time_limit_s)
+    return None if cover is None else cover.bound_j
+
+
+def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
+                   remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
+                   time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S) -> EvictionCover | None:
+    """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`."""
+    from host.solver.backends.highs import solve_highs  # HiGHS solves in its worker process, as the MILP does
+
+    graph = priced.graph
+    compute_once_j = float(priced.compute_j.sum())
+    excess, live = stage_excess_bytes(priced, ram_budget_bytes)
+    binding = [stage for stage in range(graph.size) if excess[stage] > 0]
+    if not binding:
+        return EvictionCover(compute_once_j)
+    if not (remat or paging):
+        return None
+    out_bytes = [node.output_bytes for node in graph.nodes]
+    uses = [sorted(set(users)) for users in graph.successors]
+    costs = np.concatenate([priced.compute_j, priced.page_in_j, priced.page_out_j])
+    cost_scale_j = float(costs[costs > 0].max()) if (costs > 0).any() else 1.0
+
+    problem = MilpProblem("eviction bound")
+    restore: dict[tuple[int, int], list[int]] = {}  # (tensor, gap) -> [recompute col, page-in col]
+    recompute_cols: dict[int, int] = {}  # column -> tensor
+    page_in_cols: dict[int, int] = {}
+    page_out_col: dict[int, int] = {}
+    recompute_time: list[tuple[int, float]] = []
+    paging_time: list[tuple[int, float]] = []
+
+    def gap_cols(i: int, stage: int) -> list[int]:
+        gap = int(np.searchsorted(uses[i], stage))  # the next use of i after ``stage`` closes this gap
+        key = (i, gap)
+        if key not in restore:
+            cols = []
+            if remat:
+                col = problem.add_var(cost=priced.compute_j[i] / cost_scale_j)
+                recompute_time.append((col, float(priced.compute_s[i])))
+                recompute_cols[col] = i
+                cols.append(col)
+            if paging:
+                col = problem.add_var(cost=priced.page_in_j[i] / cost_scale_j)
+                paging_time.append((col, float(priced.page_in_s[i])))
+                page_in_cols[col] = i
+                if i not in page_out_col:
+                    page_out_col[i] = problem.add_var(cost=priced.page_out_j[i] / cost_scale_j)
+                    paging_time.append((page_out_col[i], float(priced.page_out_s[i])))
+                problem.add_row([(col, 1.0), (page_out_col[i], -1.0)], ub=0.0)  # a page-in reads a page-out
+                cols.append(col)
+            if len(cols) > 1:
+                problem.add_row([(col, 1.0) for col in cols], ub=1.0)
+            restore[key] = cols
+        return restore[key]
+
+    for stage in binding:
+        terms = [(col, out_bytes[i] / ram_budget_bytes) for i in live[stage] for col in gap_cols(i, stage)]
+        problem.add_row(terms, lb=float(excess[stage]) / ram_budget_bytes)
+    if runtime_budget_s is not None:
+        timed = recompute_time + (paging_time if paging_in_runtime else [])
+        slack_s = runtime_budget_s - priced.base_runtime_s
+        if timed and any(seconds > 0 for _, seconds in timed):
+            problem.add_row_unit_scaled([(col, s) for col, s in timed if s > 0], ub=slack_s)
+
+    result = solve_highs(problem, time_limit_s=max(0.1, time_limit_s), mip_gap=1e-9, threads=1, presolve=True)
+    if result.interrupted:
+        raise KeyboardInterrupt  # the user stopped the solve while its bound was proven: stop as in any phase
+    if result.status == "infeasible" or result.bound is None:
+        return None
+    extra_j = max(0.0, float(result.bound)) * cost_scale_j * (1 - _BOUND_SAFETY_RTOL)
+    cover = EvictionCover(compute_once_j + extra_j)
+    if result.x is not None:
+        cover.recomputed = {i for col, i in recompute_cols.items() if result.x[col] > 0.5}
+        cover.paged = {i for col, i in page_in_cols.items() if result.x[col] > 0.5}
+    return cover
+
