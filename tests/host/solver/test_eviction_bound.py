@@ -49,6 +49,24 @@ def test_paying_for_each_forced_eviction_reaches_the_optimum_where_compute_once_
     assert bound == pytest.approx(optimum.objective_j, rel=RTOL)
 
 
+def test_a_recomputations_input_that_no_stage_reads_any_more_is_paid_for_or_kept():
+    """Traced mlp on m4 at its floor: recomputing a ReLU's output needs the input its last reader has passed.
+
+    Counting the ReLU's bytes as freed for the price of one ReLU gives 1.93 mJ; the input must be restored
+    too, or kept (holding as many bytes), and the bound meets the MILP's proven optimum, 2.15 mJ.
+    """
+    from host.costs.pricing import price_graph
+    from host.run.sources import ModelSource, load_platform
+
+    priced = price_graph(ModelSource("mlp").resolve().graph, load_platform("m4"))
+    budget = minimum_ram_bytes(priced)
+    optimum = _milp_optimum(priced, budget)
+    assert optimum.status == "optimal", optimum.message
+    bound = eviction_bound_j(priced, budget, 1.2 * priced.base_runtime_s)
+    assert bound == pytest.approx(optimum.objective_j, rel=1e-5)
+    assert bound > 1.1 * priced.compute_j.sum()
+
+
 def test_a_budget_that_does_not_bind_forces_nothing():
     priced = price_simply(chain_graph(6))
     peak = no_remat_peak_bytes(priced)
