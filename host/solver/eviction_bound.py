@@ -111,15 +111,16 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
     cost_scale_j = float(costs[costs > 0].max()) if (costs > 0).any() else 1.0
 
     problem = MilpProblem("eviction bound")
-    restore: dict[tuple[int, int], list[int]] = {}  # (tensor, gap) -> [recompute col, page-in col]
+    restore: dict[tuple[int, int], list[int]] = {}  # (tensor, gap between uses) -> [recompute col, page-in col]
     recompute_cols: dict[int, int] = {}  # column -> tensor
     page_in_cols: dict[int, int] = {}
     page_out_col: dict[int, int] = {}
     recompute_time: list[tuple[int, float]] = []
     paging_time: list[tuple[int, float]] = []
 
-    def gap_cols(i: int, stage: int) -> list[int]:
-        gap = int(np.searchsorted(uses[i], stage))  # the next use of i after ``stage`` closes this gap
+    def restoration(i: int, gap: int) -> list[int]:
+        """Columns restoring tensor ``i`` once in ``gap``: before its use ``uses[i][gap]``, or after its last
+        use when ``gap == len(uses[i])`` (for a recomputation that reads it); recomputed or paged in."""
         key = (i, gap)
         if key not in restore:
             cols = []
@@ -142,34 +143,11 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
             restore[key] = cols
         return restore[key]
 
-    restored_after_last_use: dict[int, list[int]] = {}  # tensor -> its extra restoration cols
-
-    def extra_restoration(d: int) -> list[int]:
-        """Columns restoring ``d`` after its last use (for a recomputation that reads it), at most once."""
-        if d not in restored_after_last_use:
-            cols = []
-            if remat:
-                col = problem.add_var(cost=priced.compute_j[d] / cost_scale_j)
-                recompute_time.append((col, float(priced.compute_s[d])))
-                recompute_cols[col] = d
-                cols.append(col)
-            if paging:
-                col = problem.add_var(cost=priced.page_in_j[d] / cost_scale_j)
-                paging_time.append((col, float(priced.page_in_s[d])))
-                page_in_cols[col] = d
-                if d not in page_out_col:
-                    page_out_col[d] = problem.add_var(cost=priced.page_out_j[d] / cost_scale_j)
-                    paging_time.append((page_out_col[d], float(priced.page_out_s[d])))
-                problem.add_row([(col, 1.0), (page_out_col[d], -1.0)], ub=0.0)
-                cols.append(col)
-            restored_after_last_use[d] = cols
-        return restored_after_last_use[d]
-
     for stage in binding:
         terms: list[tuple[int, float]] = []
         kept_inputs: dict[int, int] = {}  # dead input d -> its column "d is in RAM at this stage"
         for i in live[stage]:
-            cols = gap_cols(i, stage)
+            cols = restoration(i, int(np.searchsorted(uses[i], stage)))  # the next use after ``stage`` ends the gap
             dead_inputs = [d for d in dict.fromkeys(graph.nodes[i].deps) if out_bytes[d] > 0 and last_use[d] < stage]
             for col in cols:
                 if not dead_inputs or col not in recompute_cols:
@@ -185,7 +163,7 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                         kept_inputs[d] = problem.add_var(integer=False)
                         terms.append((kept_inputs[d], -out_bytes[d] / ram_budget_bytes))
                     problem.add_row([(kept_inputs[d], 1.0), (absent, -1.0)]
-                                    + [(c, 1.0) for c in extra_restoration(d)], lb=0.0)
+                                    + [(c, 1.0) for c in restoration(d, len(uses[d]))], lb=0.0)
         problem.add_row(terms, lb=float(excess[stage]) / ram_budget_bytes)
     if runtime_budget_s is not None:
         timed = recompute_time + (paging_time if paging_in_runtime else [])
