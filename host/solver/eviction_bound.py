@@ -8,10 +8,13 @@ next use: recomputed (its compute energy) or paged in (its page-in energy, and a
 tensor) somewhere in that gap. Gaps between uses are disjoint, so each gap with an eviction costs one
 restoration.
 
-A recomputation reads its node's inputs. An input whose last reader has already run (a ReLU's input,
-once the ReLU is done) is then either restored after its last use (recomputed or paged: paid once
-per tensor) or kept in RAM from its last use until the recomputation, so at every stage where the
-recomputed tensor is absent: there it holds its bytes, which the freed tensor's bytes must cover too.
+A recomputation reads its node's inputs. Take a stage t where a tensor is absent and its next
+restoration is a recomputation (so it comes after t), and an input of it whose last reader ran before
+t (a ReLU's input, once the ReLU is done). That input is either restored somewhere after its last use
+(recomputed or paged: paid once per tensor, however many recomputations read it) or kept in RAM from
+its last use until the recomputation, so at t too: there it holds its bytes, which the freed tensor's
+bytes must cover as well. Only one level of inputs is charged (an input's own recomputation reads
+inputs of its own, not charged), and a page-in's credit needs no input at all.
 
 Choosing the cheapest evictions that cover every stage's excess (binaries per tensor and gap, the
 recomputation time within the runtime budget) is a small covering problem whose every schedule's
@@ -148,13 +151,15 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         kept_inputs: dict[int, int] = {}  # dead input d -> its column "d is in RAM at this stage"
         for i in live[stage]:
             cols = restoration(i, int(np.searchsorted(uses[i], stage)))  # the next use after ``stage`` ends the gap
-            dead_inputs = [d for d in dict.fromkeys(graph.nodes[i].deps) if out_bytes[d] > 0 and last_use[d] < stage]
+            dead_inputs = [d for d in dict.fromkeys(graph.nodes[i].deps)
+                           if out_bytes[d] > 0 and last_use[d] < stage] if remat else []
             for col in cols:
                 if not dead_inputs or col not in recompute_cols:
                     terms.append((col, out_bytes[i] / ram_budget_bytes))
                     continue
-                # i absent here and recomputed later: each input of i that no stage reads any more is either
-                # restored after its last use, or kept in RAM from its last use until then, so here too.
+                # "i absent here, and its next restoration is a recomputation" (a page-in's column credits i
+                # directly, even where i is present: more credit only relaxes the row). Each input of i that
+                # no stage reads any more is then restored after its last use, or kept, so in RAM here too.
                 absent = problem.add_var(integer=False)
                 problem.add_row([(absent, 1.0), (col, -1.0)], ub=0.0)
                 terms.append((absent, out_bytes[i] / ram_budget_bytes))
