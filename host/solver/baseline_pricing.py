@@ -22,7 +22,7 @@ from host.solver.baselines import (
     paging_plan,
 )
 from host.solver.deadline import Deadline
-from host.solver.policy_search import greedy_policy_plan
+from host.solver.policy_search import GreedyStart, greedy_policy_plan
 from host.solver.stage_plan import StagePlan, lower_plan, make_schedule
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
@@ -112,12 +112,12 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
-                    cover_policy: list[str] | None = None, enough_j: float | None = None,
+                    cover_start: GreedyStart | None = None, enough_j: float | None = None,
                     deadline: Deadline | None = None) -> list[BaselineResult]:
     """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
 
-    With ``cover_policy`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
-    runs from that policy instead of keeping everything, and is priced as a baseline of its own; when
+    With ``cover_start`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
+    runs from those evictions instead of keeping everything, and is priced as a baseline of its own; when
     that plan costs at most ``enough_j`` (already proven optimal within the gap), the plain greedy is skipped.
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
@@ -131,9 +131,9 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
         if plan is _GREEDY_TURN:
             if greedy:
                 # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
-                if cover_policy is not None:
+                if cover_start is not None:
                     results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
-                                       paging_in_runtime, deadline, cover_policy, GREEDY_FROM_COVER)
+                                       paging_in_runtime, deadline, cover_start, GREEDY_FROM_COVER)
                     if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
                         continue
                 if not deadline.expired():
@@ -152,9 +152,9 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
 
 
 def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
-            initial_policy: list[str] | None = None, name: str = GREEDY) -> list:
+            start: GreedyStart | None = None, name: str = GREEDY) -> list:
     plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
-                              paging_in_runtime=paging_in_runtime, deadline=deadline, initial_policy=initial_policy)
+                              paging_in_runtime=paging_in_runtime, deadline=deadline, start=start)
     if plan is not None:
         return [price_plan(name, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
     if deadline.expired():

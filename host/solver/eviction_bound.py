@@ -28,13 +28,14 @@ own bound stays near the compute-once energy.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from host.costs.priced_graph import PricedGraph
 from host.solver.milp import MilpProblem
-from host.solver.policy_search import KEEP, PAGE, RECOMPUTE
+from host.solver.policy_search import KEEP, PAGE, RECOMPUTE, GreedyStart, KeptGaps
 
 # The covering problem gets at most this long; its best proven bound is used if it is not closed by then.
 EVICTION_BOUND_TIME_LIMIT_S = 5.0
@@ -69,15 +70,18 @@ class EvictionCover:
     bound_j: float
     recomputed: set[int] = field(default_factory=set)  # tensors its best cover restores by recomputation
     paged: set[int] = field(default_factory=set)  # tensors its best cover restores by paging
+    # (tensor, use stage) for each gap between uses in which the cover does not restore a tensor it evicts elsewhere
+    kept_gaps: KeptGaps = frozenset()
 
-    def policy(self, size: int) -> list[str]:
-        """The evictions as one policy per node (host.solver.policy_search): a start for the greedy."""
-        chosen = [KEEP] * size
+    def start(self, size: int) -> GreedyStart:
+        """The evictions as a start for the greedy (host.solver.policy_search): one policy per node (paging
+        where the cover pages a tensor at all), applied in the gaps where the cover restores the tensor."""
+        policy = [KEEP] * size
         for i in self.recomputed:
-            chosen[i] = RECOMPUTE
+            policy[i] = RECOMPUTE
         for i in self.paged:
-            chosen[i] = PAGE
-        return chosen
+            policy[i] = PAGE
+        return GreedyStart(policy, self.kept_gaps)
 
 
 def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
@@ -146,29 +150,49 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
             restore[key] = cols
         return restore[key]
 
+    def dead_inputs(i: int, stage: int) -> list[int]:
+        """Inputs of ``i`` with bytes whose last reader ran before ``stage``: none if recomputation is off."""
+        return [d for d in dict.fromkeys(graph.nodes[i].deps) if out_bytes[d] > 0 and last_use[d] < stage] if remat else []
+
     for stage in binding:
         terms: list[tuple[int, float]] = []
-        kept_inputs: dict[int, int] = {}  # dead input d -> its column "d is in RAM at this stage"
+        # Dead tensor d -> the columns of which one holds when a recomputation after this stage reads d: "d is in
+        # RAM here" (debits d's bytes), d paged in after its last use, "d absent here and recomputed after".
+        covering: dict[int, list[tuple[int, float]]] = {}
+
+        # (column, tensor i): "i is absent here and recomputed after this stage"
+        pending: list[tuple[int, int]] = []
         for i in live[stage]:
             cols = restoration(i, int(np.searchsorted(uses[i], stage)))  # the next use after ``stage`` ends the gap
-            dead_inputs = [d for d in dict.fromkeys(graph.nodes[i].deps)
-                           if out_bytes[d] > 0 and last_use[d] < stage] if remat else []
             for col in cols:
-                if not dead_inputs or col not in recompute_cols:
+                if col not in recompute_cols or not dead_inputs(i, stage):
                     terms.append((col, out_bytes[i] / ram_budget_bytes))
                     continue
                 # "i absent here, and its next restoration is a recomputation" (a page-in's column credits i
-                # directly, even where i is present: more credit only relaxes the row). Each input of i that
-                # no stage reads any more is then restored after its last use, or kept, so in RAM here too.
+                # directly, even where i is present: more credit only relaxes the row).
                 absent = problem.add_var(integer=False)
                 problem.add_row([(absent, 1.0), (col, -1.0)], ub=0.0)
                 terms.append((absent, out_bytes[i] / ram_budget_bytes))
-                for d in dead_inputs:
-                    if d not in kept_inputs:
-                        kept_inputs[d] = problem.add_var(integer=False)
-                        terms.append((kept_inputs[d], -out_bytes[d] / ram_budget_bytes))
-                    problem.add_row([(kept_inputs[d], 1.0), (absent, -1.0)]
-                                    + [(c, 1.0) for c in restoration(d, len(uses[d]))], lb=0.0)
+                pending.append((absent, i))
+        # A recomputation of i after this stage reads i's dead inputs. Each such d is then in RAM here (kept),
+        # paged in after its last use, or absent here and recomputed after this stage too, which reads d's own
+        # dead inputs in turn (inputs precede their readers, so the walk ends).
+        while pending:
+            absent, i = pending.pop()
+            for d in dead_inputs(i, stage):
+                if d not in covering:
+                    kept = problem.add_var(integer=False)
+                    terms.append((kept, -out_bytes[d] / ram_budget_bytes))
+                    covering[d] = [(kept, 1.0)]
+                    for col in restoration(d, len(uses[d])):
+                        if col in recompute_cols:
+                            later = problem.add_var(integer=False)
+                            problem.add_row([(later, 1.0), (col, -1.0)], ub=0.0)
+                            covering[d].append((later, 1.0))
+                            pending.append((later, d))
+                        else:
+                            covering[d].append((col, 1.0))
+                problem.add_row(covering[d] + [(absent, -1.0)], lb=0.0)
         problem.add_row(terms, lb=float(excess[stage]) / ram_budget_bytes)
     if runtime_budget_s is not None:
         timed = recompute_time + (paging_time if paging_in_runtime else [])
@@ -176,7 +200,11 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         if timed and any(seconds > 0 for _, seconds in timed):
             problem.add_row_unit_scaled([(col, s) for col, s in timed if s > 0], ub=slack_s)
 
-    result = solve_highs(problem, time_limit_s=max(0.1, time_limit_s), mip_gap=1e-9, threads=1, presolve=True)
+    # HiGHS does not check its own time limit inside every root-node phase (its analytic-centre computation ran
+    # 6 s past a 5 s limit on resnet50): the deadline stops the worker, keeping the bound and cover it reported.
+    time_limit_s = max(0.1, time_limit_s)
+    result = solve_highs(problem, time_limit_s=time_limit_s, mip_gap=1e-9, threads=1, presolve=True,
+                         deadline_at=time.perf_counter() + time_limit_s)
     if result.interrupted:
         raise KeyboardInterrupt  # the user stopped the solve while its bound was proven: stop as in any phase
     if result.status == "infeasible" or result.bound is None:
@@ -186,5 +214,8 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
     if result.x is not None:
         cover.recomputed = {i for col, i in recompute_cols.items() if result.x[col] > 0.5}
         cover.paged = {i for col, i in page_in_cols.items() if result.x[col] > 0.5}
+        restored = {key for key, cols in restore.items() if any(result.x[col] > 0.5 for col in cols)}
+        cover.kept_gaps = frozenset((i, use) for i in cover.recomputed | cover.paged
+                                    for gap, use in enumerate(uses[i]) if (i, gap) not in restored)
     return cover
 

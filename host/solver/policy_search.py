@@ -2,12 +2,16 @@
 
 It seeds the MILP with a good incumbent (a warm start), so the solver spends its time proving
 rather than searching. Each tensor's policy applies to every gap between two consecutive stages
-that need it: keep it in RAM, page it out and back in, or drop it and recompute it where needed.
+that need it: keep it in RAM, page it out and back in, or drop it and recompute it where needed,
+except in the gaps the plan keeps it anyway (``kept_gaps``: a start may say where, e.g. the
+eviction bound's cover, and the local search keeps a tensor across single gaps where that fits).
 Tensors are evicted greedily from the stage that exceeds the budget most, choosing the move that
 frees the most byte-stages per joule, until every stage fits the MILP's memory model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,9 +22,21 @@ from host.solver.stage_plan import StagePlan
 
 KEEP, PAGE, RECOMPUTE, RECOMPUTE_ONCE = "keep", "page", "recompute", "recompute-once"
 
+# (tensor, stage): the tensor is kept in RAM across its gap that ends at that stage, which needs it,
+# whatever its policy.
+KeptGaps = frozenset[tuple[int, int]]
 
-def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
-    """The stage plan that realises one policy per node (see module docstring)."""
+
+@dataclass(frozen=True)
+class GreedyStart:
+    """Where the greedy starts: one policy per node, and the gaps in which an evicted tensor is kept anyway."""
+
+    policy: list[str]
+    kept_gaps: KeptGaps = frozenset()
+
+
+def plan_from_policies(priced: PricedGraph, policy: list[str], kept_gaps: KeptGaps = frozenset()) -> StagePlan:
+    """The stage plan that realises one policy per node and the kept gaps (see module docstring)."""
     graph = priced.graph
     size = graph.size
     deps = [n.deps for n in graph.nodes]
@@ -40,7 +56,7 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
             last_before = last_needed[d]
             last_needed[d] = stage
             recompute_here = policy[d] == RECOMPUTE or (policy[d] == RECOMPUTE_ONCE and not recomputed_at[d])
-            if recompute_here and stage - last_before > 1:
+            if recompute_here and stage - last_before > 1 and (d, stage) not in kept_gaps:
                 recomputed_at[d].add(stage)
                 stack.extend(deps[d])
     # Recomputed nodes are computed in their stage; their uses in that stage need no carry-over.
@@ -54,7 +70,7 @@ def plan_from_policies(priced: PricedGraph, policy: list[str]) -> StagePlan:
             if stage in recomputed_at[i]:
                 previous = stage
                 continue
-            if policy[i] == PAGE and stage > previous + 1:
+            if policy[i] == PAGE and stage > previous + 1 and (i, stage) not in kept_gaps:
                 if not paged_out:
                     plan.page_out[previous, i] = True
                     paged_out = True
@@ -118,30 +134,31 @@ def greedy_policy_plan(
     candidate_limit: int = 20,
     relief_exponent: float = 1.5,
     deadline: Deadline | None = None,
-    initial_policy: list[str] | None = None,
+    start: GreedyStart | None = None,
 ) -> StagePlan | None:
     """Greedy eviction until every stage fits; None if it gets stuck or ``deadline`` passes first.
 
-    The search starts from ``initial_policy`` (default: keep everything). Once every stage fits, the
-    local search that follows stops at ``deadline`` with the plan it has.
+    The search starts from ``start`` (default: keep everything). Once every stage fits, the local
+    search that follows stops at ``deadline`` with the plan it has.
     """
     deadline = deadline or Deadline.none()
     graph = priced.graph
     size = graph.size
-    policy = list(initial_policy) if initial_policy is not None else [KEEP] * size
+    policy = list(start.policy) if start is not None else [KEEP] * size
+    kept = start.kept_gaps if start is not None else frozenset()
     moves = [PAGE] if paging else []
     if remat:
         moves += [RECOMPUTE, RECOMPUTE_ONCE]
     if not moves:
         return None
     tabu: set[tuple[int, str]] = set()
-    plan = plan_from_policies(priced, policy)
+    plan = plan_from_policies(priced, policy, kept)
     peaks = model_stage_peaks(plan, priced)
     energy = plan_energy_j(plan, priced)
     for _ in range(max_moves or 4 * size):
         excess = np.maximum(peaks - ram_budget_bytes, 0.0)
         if excess.max() <= 0:
-            plan = _improve(priced, policy, plan, ram_budget_bytes, [KEEP, *moves], deadline)
+            plan, _ = _improve(priced, policy, kept, plan, ram_budget_bytes, [KEEP, *moves], deadline)
             if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
                 return None
             return plan
@@ -154,16 +171,15 @@ def greedy_policy_plan(
         for i in present:
             if deadline.expired():
                 return None
-            if graph.nodes[i].output_bytes == 0:
-                continue
             for move in moves:
-                if move == policy[i] or (i, move) in tabu:
+                if (move == policy[i] and not _kept_anywhere(kept, i)) or (i, move) in tabu:
                     continue
                 if move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd":
                     continue
                 trial_policy = list(policy)
                 trial_policy[i] = move
-                trial = plan_from_policies(priced, trial_policy)
+                trial_kept = _evicted_in_every_gap(kept, i)
+                trial = plan_from_policies(priced, trial_policy, trial_kept)
                 trial_peaks = model_stage_peaks(trial, priced)
                 relief = float(excess.sum() - np.maximum(trial_peaks - ram_budget_bytes, 0.0).sum())
                 if relief <= 0:
@@ -171,23 +187,42 @@ def greedy_policy_plan(
                 cost = plan_energy_j(trial, priced) - energy
                 score = relief**relief_exponent / max(cost, 1e-12)
                 if best is None or score > best[0]:
-                    best = (score, i, move, trial, trial_peaks)
+                    best = (score, i, move, trial_kept, trial, trial_peaks)
         if best is None:
             return None
-        _, i, move, plan, peaks = best
+        _, i, move, kept, plan, peaks = best
         policy[i] = move
         tabu.add((i, move))
         energy = plan_energy_j(plan, priced)
     return None
 
 
-def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget_bytes: float, options: list[str],
-             deadline: Deadline):
+def _kept_anywhere(kept: KeptGaps, i: int) -> bool:
+    return any(tensor == i for tensor, _ in kept)
+
+
+def _evicted_in_every_gap(kept: KeptGaps, i: int) -> KeptGaps:
+    """The kept gaps without tensor ``i``'s: a move of ``i`` applies its policy to every gap."""
+    return frozenset(gap for gap in kept if gap[0] != i) if _kept_anywhere(kept, i) else kept
+
+
+def _evicted_gaps(plan: StagePlan) -> list[tuple[int, int]]:
+    """(tensor, stage) for each restoration in ``plan``: paged in for that stage, or recomputed in it."""
+    paged = [(int(i), int(stage) + 1) for stage, i in np.argwhere(plan.page_in)]
+    recomputed = [(int(i), int(stage)) for stage, i in np.argwhere(plan.recompute) if stage != i]
+    return paged + recomputed
+
+
+def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: StagePlan, ram_budget_bytes: float,
+             options: list[str], deadline: Deadline) -> tuple[StagePlan, KeptGaps]:
     """Local search after the greedy, until no move helps or ``deadline`` passes (every plan it holds fits).
+
+    Returns the plan and its kept gaps; ``policy`` is updated in place.
 
     Single moves switch one tensor's policy when that saves energy and still fits. Swap moves
     keep an evicted tensor in RAM and evict, in exchange, a tensor held across the stage that
-    then overflows most, when the pair saves energy.
+    then overflows most, when the pair saves energy. Gap moves keep a tensor across one gap in
+    which the plan restores it, where that still fits.
     """
     graph = priced.graph
     energy = plan_energy_j(plan, priced)
@@ -195,8 +230,8 @@ def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget
     def allowed(i: int, move: str) -> bool:
         return not (move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd")
 
-    def attempt(trial_policy: list[str]):
-        trial = plan_from_policies(priced, trial_policy)
+    def attempt(trial_policy: list[str], trial_kept: KeptGaps):
+        trial = plan_from_policies(priced, trial_policy, trial_kept)
         trial_energy = plan_energy_j(trial, priced)
         if trial_energy >= energy - 1e-15:
             return None
@@ -208,23 +243,25 @@ def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget
         improved = False
         for i in [i for i, p in enumerate(policy) if p != KEEP]:
             if deadline.expired():
-                return plan
+                return plan, kept
             for move in options:
                 if move == policy[i] or not allowed(i, move):
                     continue
                 trial_policy = list(policy)
                 trial_policy[i] = move
-                found = attempt(trial_policy)
+                trial_kept = _evicted_in_every_gap(kept, i)
+                found = attempt(trial_policy, trial_kept)
                 if found:
                     policy[i] = move
+                    kept = trial_kept
                     plan, energy = found
                     improved = True
         for i in [i for i, p in enumerate(policy) if p != KEEP]:
             if deadline.expired():
-                return plan
+                return plan, kept
             kept_policy = list(policy)
             kept_policy[i] = KEEP
-            kept_plan = plan_from_policies(priced, kept_policy)
+            kept_plan = plan_from_policies(priced, kept_policy, kept)
             excess = model_stage_peaks(kept_plan, priced) - ram_budget_bytes
             worst = int(np.argmax(excess))
             if excess[worst] <= 0:
@@ -239,12 +276,24 @@ def _improve(priced: PricedGraph, policy: list[str], plan: StagePlan, ram_budget
                         continue
                     trial_policy = list(kept_policy)
                     trial_policy[j] = move
-                    found = attempt(trial_policy)
+                    trial_kept = _evicted_in_every_gap(kept, j)
+                    found = attempt(trial_policy, trial_kept)
                     if found:
                         policy[:] = trial_policy
+                        kept = trial_kept
                         plan, energy = found
                         improved = done = True
                         break
                 if done:
                     break
-    return plan
+        for gap in _evicted_gaps(plan):
+            if deadline.expired():
+                return plan, kept
+            if gap in kept:
+                continue
+            found = attempt(policy, kept | {gap})
+            if found:
+                kept = kept | {gap}
+                plan, energy = found
+                improved = True
+    return plan, kept

@@ -200,7 +200,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                 time_limit_s=min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf)))
             floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
             evicts = cover is not None and bool(cover.recomputed or cover.paged)
-            cover_policy = cover.policy(priced.graph.size) if evicts else None
+            cover_start = cover.start(priced.graph.size) if evicts else None
             # A baseline at or below this energy is within the gap of the bound: optimal, nothing more to search.
             proven_optimal_below_j = (floor_bound_j / (1 - options.mip_gap)
                                       if options.shortcut_non_binding and options.mip_gap < 1 else None)
@@ -209,7 +209,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                      _WARM_START_SHARE * options.time_limit_s, started)
             baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
                                         paging=options.paging, paging_in_runtime=options.paging_in_runtime,
-                                        cover_policy=cover_policy, enough_j=proven_optimal_below_j,
+                                        cover_start=cover_start, enough_j=proven_optimal_below_j,
                                         deadline=warm_deadline)
             offers = cheapest_feasible(baselines)
             # A baseline within the gap of the bound proven so far is optimal without the MILP.

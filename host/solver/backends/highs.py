@@ -114,18 +114,22 @@ class _Worker:
             raise
 
     def wait(self, started: float, deadline_at: float | None, progress: ProgressCallback | None) -> MilpResult:
-        reader = threading.Thread(target=self._read, args=(started, progress), name="poet-highs-reader",
+        # The reader says when it is done through an event, not through the thread: a Ctrl-C that lands in
+        # Thread.join() marks a live thread as stopped (Python 3.11, bpo-45274's handling), and the kill below
+        # was then never reached (a SIGINT during a large model's presolve took 2.7 s to land instead of 1 s).
+        done = threading.Event()
+        reader = threading.Thread(target=self._read, args=(started, progress, done), name="poet-highs-reader",
                                   daemon=True)
         reader.start()
         user = False
         cancelled_at: float | None = None  # when the worker was asked to stop (deadline or Ctrl-C)
-        while reader.is_alive():
+        while not done.is_set():
             try:
-                reader.join(_WAIT_PERIOD_S)
+                done.wait(_WAIT_PERIOD_S)
                 now = time.perf_counter()
                 if cancelled_at is None and deadline_at is not None and now >= deadline_at:
                     cancelled_at = self._cancel(user=False)
-                if cancelled_at is not None and now >= cancelled_at + _KILL_GRACE_S and reader.is_alive():
+                if cancelled_at is not None and now >= cancelled_at + _KILL_GRACE_S and not done.is_set():
                     self._kill()
             except KeyboardInterrupt:
                 user = True
@@ -151,7 +155,13 @@ class _Worker:
         message = "interrupted before any schedule was found" if user else "time limit reached with no solution"
         return MilpResult("timeout", None, None, self.bound, None, solve_s, message, interrupted=user)
 
-    def _read(self, started: float, progress: ProgressCallback | None) -> None:
+    def _read(self, started: float, progress: ProgressCallback | None, done: threading.Event) -> None:
+        try:
+            self._read_frames(started, progress)
+        finally:
+            done.set()
+
+    def _read_frames(self, started: float, progress: ProgressCallback | None) -> None:
         fd = self.process.stdout.fileno()
         while (message := receive_frame(fd)) is not None:
             kind = message[0]

@@ -43,6 +43,42 @@ def chain_graph(length: int = 6, bytes_each: int = 100, flops_each: int = 1000) 
     return training_graph_from_forward("chain", deps, [bytes_each] * length, [0] + [flops_each] * (length - 1))
 
 
+def residual_graph(blocks: int, out_bytes: list[int]) -> TrainingGraph:
+    """A ResNet as traced: conv -> bn -> relu, then per block conv -> bn -> add(., block input) -> relu.
+
+    Each backward reads what torch saves: a ReLU's its output, a BatchNorm's its input, an add's nothing. So a
+    BatchNorm's and an add's outputs have no reader after the next forward node: recomputing a ReLU needs a
+    chain of them. ``out_bytes``: one per forward node after the input (3 + 4 per block).
+    """
+    builder = GraphBuilder(f"residual{blocks}")
+    conv_flops, cheap_flops = 100_000, 100
+    sizes = iter(out_bytes)
+    builder.add("x", "fwd", 0, 0, [], op_class="input")
+    builder.add("conv0", "fwd", next(sizes), conv_flops, ["x"], op_class="conv")
+    builder.add("bn0", "fwd", next(sizes), cheap_flops, ["conv0"], op_class="norm")
+    builder.add("relu0", "fwd", next(sizes), cheap_flops, ["bn0"], op_class="act")
+    for k in range(1, blocks + 1):
+        block_input = f"relu{k - 1}"
+        builder.add(f"conv{k}", "fwd", next(sizes), conv_flops, [block_input], op_class="conv")
+        builder.add(f"bn{k}", "fwd", next(sizes), cheap_flops, [f"conv{k}"], op_class="norm")
+        builder.add(f"add{k}", "fwd", next(sizes), cheap_flops, [f"bn{k}", block_input], op_class="add")
+        builder.add(f"relu{k}", "fwd", next(sizes), cheap_flops, [f"add{k}"], op_class="act")
+    last = f"relu{blocks}"
+    builder.add("loss", "loss", 4, 10, [last], op_class="loss")
+    builder.add("bwd:loss", "bwd", 4, 20, ["loss", last], forward_of="loss")
+    upstream = "bwd:loss"
+    for k in range(blocks, 0, -1):
+        builder.add(f"bwd:relu{k}", "bwd", 8, cheap_flops, [upstream, f"relu{k}"], forward_of=f"relu{k}")
+        builder.add(f"bwd:add{k}", "bwd", 8, cheap_flops, [f"bwd:relu{k}"], forward_of=f"add{k}")
+        builder.add(f"bwd:bn{k}", "bwd", 8, cheap_flops, [f"bwd:add{k}", f"conv{k}"], forward_of=f"bn{k}")
+        builder.add(f"bwd:conv{k}", "bwd", 8, 2 * conv_flops, [f"bwd:bn{k}", f"relu{k - 1}"], forward_of=f"conv{k}")
+        upstream = f"bwd:conv{k}"
+    builder.add("bwd:relu0", "bwd", 8, cheap_flops, [upstream, "bwd:add1", "relu0"], forward_of="relu0")
+    builder.add("bwd:bn0", "bwd", 8, cheap_flops, ["bwd:relu0", "conv0"], forward_of="bn0")
+    builder.add("bwd:conv0", "bwd", 0, 2 * conv_flops, ["bwd:bn0", "x"], forward_of="conv0")
+    return builder.build(param_bytes=1000, param_grad_bytes=1000)
+
+
 def random_training_graph(seed: int, size: int) -> TrainingGraph:
     rng = random.Random(seed)
     deps: list[list[int]] = [[]]

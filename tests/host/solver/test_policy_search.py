@@ -1,10 +1,17 @@
 import pytest
 
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
-from host.solver.policy_search import greedy_policy_plan, model_stage_peaks, plan_energy_j
+from host.solver.policy_search import (
+    KEEP,
+    PAGE,
+    greedy_policy_plan,
+    model_stage_peaks,
+    plan_energy_j,
+    plan_from_policies,
+)
 from host.solver.solve import evaluate_plan, minimum_ram_bytes, no_remat_peak_bytes
 
-from .graphs import price_simply, random_training_graph, training_graph_from_forward
+from .graphs import price_simply, random_training_graph, residual_graph, training_graph_from_forward
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -47,3 +54,33 @@ def test_the_formulation_never_pages_a_zero_byte_tensor():
     assert 0 in zero
     for family in (formulation.vars.keep_flash, formulation.vars.page_in, formulation.vars.page_out):
         assert family and not [key for key in family if key[1] in zero]
+
+
+def test_a_kept_gap_keeps_the_tensor_in_ram_across_that_gap_only():
+    """relu0 of a residual block is read by conv1, add1, bwd:conv1 and bwd:relu0: paged, it is paged in before each
+    read after a gap; with the gap that ends at bwd:conv1 kept, that page-in goes and the tensor stays in RAM."""
+    priced = price_simply(residual_graph(1, [100] * 7))
+    graph = priced.graph
+    index = {node.name: node.index for node in graph.nodes}
+    relu0, add1, bwd_conv1 = index["relu0"], index["add1"], index["bwd:conv1"]
+    policy = [KEEP] * graph.size
+    policy[relu0] = PAGE
+    paged = plan_from_policies(priced, policy)
+    kept = plan_from_policies(priced, policy, frozenset({(relu0, bwd_conv1)}))
+    assert paged.page_in[add1 - 1, relu0] and paged.page_in[bwd_conv1 - 1, relu0]
+    assert kept.page_in[add1 - 1, relu0] and not kept.page_in[bwd_conv1 - 1, relu0]
+    assert kept.keep_ram[add1 + 1 : bwd_conv1 + 1, relu0].all()
+    assert plan_energy_j(kept, priced) < plan_energy_j(paged, priced)
+
+
+def test_the_local_search_keeps_a_tensor_across_single_gaps_where_that_fits():
+    """resnet18_cifar at 40% on jetsontx2, greedy from keeping everything: a tensor's policy holds in every gap,
+    and keeping one across the gaps where the budget has room took the plan from 0.5405 J to 0.5372 J."""
+    from host.costs import price_graph
+    from host.run.sources import ModelSource, load_platform
+
+    priced = price_graph(ModelSource("resnet18_cifar").resolve().graph, load_platform("jetsontx2"))
+    budget, runtime = 0.4 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
+    plan = greedy_policy_plan(priced, budget, runtime)
+    assert model_stage_peaks(plan, priced).max() <= budget
+    assert plan_energy_j(plan, priced) < 0.539
