@@ -158,7 +158,8 @@ def greedy_policy_plan(
     for _ in range(max_moves or 4 * size):
         excess = np.maximum(peaks - ram_budget_bytes, 0.0)
         if excess.max() <= 0:
-            plan, _ = _improve(priced, policy, kept, plan, ram_budget_bytes, [KEEP, *moves], deadline)
+            plan, _ = _improve(priced, policy, kept, plan, ram_budget_bytes, [KEEP, *moves], deadline,
+                               runtime_budget_s, paging_in_runtime)
             if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
                 return None
             return plan
@@ -214,8 +215,10 @@ def _evicted_gaps(plan: StagePlan) -> list[tuple[int, int]]:
 
 
 def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: StagePlan, ram_budget_bytes: float,
-             options: list[str], deadline: Deadline) -> tuple[StagePlan, KeptGaps]:
-    """Local search after the greedy, until no move helps or ``deadline`` passes (every plan it holds fits).
+             options: list[str], deadline: Deadline, runtime_budget_s: float | None = None,
+             paging_in_runtime: bool = False) -> tuple[StagePlan, KeptGaps]:
+    """Local search after the greedy, until no move helps or ``deadline`` passes (every plan it holds fits the
+    RAM budget, and the runtime budget when one is given).
 
     Returns the plan and its kept gaps; ``policy`` is updated in place.
 
@@ -235,8 +238,14 @@ def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: Stage
         trial_energy = plan_energy_j(trial, priced)
         if trial_energy >= energy - 1e-15:
             return None
-        peaks = model_stage_peaks(trial, priced)
-        return (trial, trial_energy) if peaks.max() <= ram_budget_bytes else None
+        if model_stage_peaks(trial, priced).max() > ram_budget_bytes:
+            return None
+        # Keeping a tensor across a gap can add a restoration (two short gaps merge into one that evicts): no move
+        # takes the plan over the runtime budget, or further over it.
+        if (runtime_budget_s is not None and plan_runtime_s(trial, priced, paging_in_runtime)
+                > max(runtime_budget_s, plan_runtime_s(plan, priced, paging_in_runtime))):
+            return None
+        return trial, trial_energy
 
     improved = True
     while improved:

@@ -135,6 +135,8 @@ class _Worker:
                 user = True
                 if cancelled_at is None:
                     cancelled_at = self._cancel(user=True)
+        if self.result is None:  # the reader stopped without an answer: the worker may be blocked writing to it
+            self._kill()
         reader.join()
         code = self.process.wait()
         solve_s = time.perf_counter() - started

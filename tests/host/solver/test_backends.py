@@ -54,3 +54,33 @@ def test_cbc_solves_a_schedule_like_highs():
     }
     assert {r.status for r in results.values()} == {"optimal"}
     assert results["cbc"].objective_j == pytest.approx(results["highs"].objective_j, rel=1e-9)
+
+
+@pytest.mark.timeout(60)  # without the kill, the solve hangs: the worker blocks writing a schedule nobody reads
+def test_a_progress_display_that_fails_stops_the_worker_instead_of_waiting_for_it():
+    """The progress callback runs on the thread that reads the worker's frames. When it raises (a display whose
+    stderr has gone), nobody reads the worker any more: it is killed at once, not waited for until its own time
+    limit (or forever, blocked writing a schedule to a pipe nobody reads)."""
+    import time
+
+    import psutil
+
+    from host.costs import load_profile, price_graph
+    from host.run.sources import ModelSource
+    from host.solver.backends.highs import solve_highs
+    from host.solver.poet_milp import FormulationOptions, PoetFormulation
+
+    priced = price_graph(ModelSource("poet2022:resnet18_cifar").resolve().graph, load_profile("m4"))
+    problem = PoetFormulation(priced, FormulationOptions(737719, 1.5 * priced.base_runtime_s)).problem
+    calls = []
+
+    def failing_display(report):
+        calls.append(report)
+        raise BrokenPipeError("stderr is gone")
+
+    started = time.perf_counter()
+    result = solve_highs(problem, time_limit_s=60, mip_gap=1e-9, threads=1, progress=failing_display)
+    assert calls, "HiGHS never reported progress"
+    assert time.perf_counter() - started < 15  # the worker's own limit is 60 s
+    assert result.status == "error" and "ended" in result.message, result.message
+    assert not [p for p in psutil.Process().children() if "highs_worker" in " ".join(p.cmdline())]

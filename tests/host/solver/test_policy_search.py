@@ -8,6 +8,7 @@ from host.solver.policy_search import (
     model_stage_peaks,
     plan_energy_j,
     plan_from_policies,
+    plan_runtime_s,
 )
 from host.solver.solve import evaluate_plan, minimum_ram_bytes, no_remat_peak_bytes
 
@@ -84,3 +85,16 @@ def test_the_local_search_keeps_a_tensor_across_single_gaps_where_that_fits():
     plan = greedy_policy_plan(priced, budget, runtime)
     assert model_stage_peaks(plan, priced).max() <= budget
     assert plan_energy_j(plan, priced) < 0.539
+
+
+def test_the_local_search_never_takes_the_plan_over_the_runtime_budget():
+    """Keeping a tensor across one gap can merge two short gaps into one that evicts, adding a recomputation.
+    On this graph, at a runtime budget 0.56% above computing once, such a move took a fitting plan over the
+    budget and the greedy returned nothing; the local search now refuses it and the plan stays within."""
+    priced = price_simply(random_training_graph(335, 12), page_j_per_byte=1e-4)
+    budget = max(minimum_ram_bytes(priced), 0.5442757615680235 * no_remat_peak_bytes(priced))
+    runtime_budget_s = 1.005602603970087 * priced.base_runtime_s
+    plan = greedy_policy_plan(priced, budget, runtime_budget_s)
+    assert plan is not None
+    assert plan_runtime_s(plan, priced, False) <= runtime_budget_s
+    assert model_stage_peaks(plan, priced).max() <= budget
