@@ -263,8 +263,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 
 # The warm start (baselines and the greedy) gets at most this share of the time limit, so the MILP has time.
 _WARM_START_SHARE = 0.3
-# The eviction bound gets at most this share of the time limit (and EVICTION_BOUND_TIME_LIMIT_S).
-_BOUND_SHARE = 0.05
+# The eviction bound gets at most this share of the time limit (and EVICTION_BOUND_TIME_LIMIT_S): 15 s of 120 s.
+_BOUND_SHARE = 0.125
 # Feasible baselines tried as the MILP start, cheapest first (one the model does not admit maps to None).
 _STARTS_TRIED = 4
 # The reserve kept for after the MILP: this many replays of plain training (solution, polish, validation)
