@@ -23,8 +23,8 @@ energy is at least its optimum: a relaxation of the MILP. It ignores the RAM a r
 its own stage and a stage's other positions, so it is weaker than the MILP's optimum, but it is
 integral: where the MILP's LP spreads a large tensor's eviction thinly over many stages, this bound
 pays for it whole. Measured: 0.2-0.3 s on traced hf_bert and resnet18_cifar (81 and 105 nodes); on
-resnet50 (351) and MobileNetV2 (410) at 30% on m4 it stops at its limit (5 s: 6.3 s, the worker
-stopped at the deadline), with the bound proven by then. It lifts the proven gap where the MILP's own
+resnet50 (351) and MobileNetV2 (410) at 30% on m4 it runs to its time limit (given 5 s it returned in
+6.3 s, the worker stopped at the deadline), and the bound proven by then is used. It lifts the proven gap where the MILP's own
 bound stays near the compute-once energy, and its evictions, realised gap by gap, start the greedy.
 """
 
