@@ -29,6 +29,8 @@ from host.solver.validator import ScheduleValidationError, ValidationReport, val
 KEEP_ALL = "keep all (plain PyTorch)"
 GREEDY = "greedy"
 GREEDY_FROM_COVER = "greedy from the eviction cover"
+# The greedy from the covering problem with second restorations (host.solver.eviction_bound), where it differs.
+GREEDY_FROM_STRONGER_COVER = "greedy from the eviction cover with second restorations"
 
 
 @dataclass
@@ -132,12 +134,12 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
             if greedy:
                 # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
                 if cover_start is not None:
-                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                    results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, deadline, cover_start, GREEDY_FROM_COVER)
                     if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
                         continue
                 if not deadline.expired():
-                    results += _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                    results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, deadline)
             continue
         if isinstance(plan, BaselineDoesNotFitError):
@@ -151,8 +153,9 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
     return results
 
 
-def _greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
-            start: GreedyStart | None = None, name: str = GREEDY) -> list:
+def price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
+                 start: GreedyStart | None = None, name: str = GREEDY) -> list[BaselineResult]:
+    """The greedy from ``start`` (keeping everything when None), priced: one row, or none if ``deadline`` passed."""
     plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
                               paging_in_runtime=paging_in_runtime, deadline=deadline, start=start)
     if plan is not None:

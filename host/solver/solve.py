@@ -11,10 +11,12 @@ from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
 from host.solver.baseline_pricing import (
+    GREEDY_FROM_STRONGER_COVER,
     KEEP_ALL,
     BaselineResult,
     cheapest_feasible,
     price_baselines,
+    price_greedy,
     timed_replay_s,
 )
 from host.solver.baselines import keep_all_plan
@@ -194,10 +196,13 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     try:
         if use_baselines:
             _report_phase(progress, started, "lower bound")
-            cover = eviction_cover(
-                priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat, paging=options.paging,
-                paging_in_runtime=options.paging_in_runtime,
-                time_limit_s=min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf)))
+            bound_time_s = min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf))
+            cover_options = dict(remat=options.remat, paging=options.paging,
+                                 paging_in_runtime=options.paging_in_runtime)
+            bound_started = time.perf_counter()
+            cover = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s,
+                                   **cover_options)
+            bound_time_s -= time.perf_counter() - bound_started
             floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
             evicts = cover is not None and bool(cover.recomputed or cover.paged)
             cover_start = cover.start(priced.graph.size) if evicts else None
@@ -212,6 +217,20 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                         cover_start=cover_start, enough_j=proven_optimal_below_j,
                                         deadline=warm_deadline)
             offers = cheapest_feasible(baselines)
+            # Not proven yet: the covering problem with second restorations, in the bound's time that is left.
+            if (offers and cover is not None and cover.proven and options.remat and bound_time_s >= _STRONGER_BOUND_MIN_S
+                    and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
+                _report_phase(progress, started, "stronger lower bound")
+                stronger = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s,
+                                          second_restorations=True, **cover_options)
+                if stronger is not None and stronger.bound_j > floor_bound_j:
+                    floor_bound_j = stronger.bound_j
+                    start = stronger.start(priced.graph.size)
+                    if (stronger.recomputed or stronger.paged) and start != cover_start:
+                        baselines += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
+                                                  options.paging, options.paging_in_runtime, warm_deadline, start,
+                                                  GREEDY_FROM_STRONGER_COVER)
+                        offers = cheapest_feasible(baselines)
             # A baseline within the gap of the bound proven so far is optimal without the MILP.
             if offers and options.shortcut_non_binding:
                 best = offers[0]
@@ -265,6 +284,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 _WARM_START_SHARE = 0.3
 # The eviction bound gets at most this share of the time limit (and EVICTION_BOUND_TIME_LIMIT_S): 15 s of 120 s.
 _BOUND_SHARE = 0.125
+# The covering problem with second restorations is tried only with at least this much of the bound's time left.
+_STRONGER_BOUND_MIN_S = 1.0
 # Feasible baselines tried as the MILP start, cheapest first (one the model does not admit maps to None).
 _STARTS_TRIED = 4
 # The reserve kept for after the MILP: this many replays of plain training (solution, polish, validation)
