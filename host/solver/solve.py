@@ -196,13 +196,12 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     try:
         if use_baselines:
             _report_phase(progress, started, "lower bound")
+            # Each covering problem gets EVICTION_BOUND_TIME_LIMIT_S or its share of the time limit, whichever is less.
             bound_time_s = min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf))
             cover_options = dict(remat=options.remat, paging=options.paging,
                                  paging_in_runtime=options.paging_in_runtime)
-            bound_started = time.perf_counter()
             cover = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s,
                                    **cover_options)
-            bound_time_s -= time.perf_counter() - bound_started
             floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
             evicts = cover is not None and bool(cover.recomputed or cover.paged)
             cover_start = cover.start(priced.graph.size) if evicts else None
@@ -217,8 +216,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                         cover_start=cover_start, enough_j=proven_optimal_below_j,
                                         deadline=warm_deadline)
             offers = cheapest_feasible(baselines)
-            # Not proven yet: the covering problem with second restorations, in the bound's time that is left.
-            if (offers and cover is not None and cover.proven and options.remat and bound_time_s >= _STRONGER_BOUND_MIN_S
+            # Not proven yet, and the first covering problem closed: the one with second restorations.
+            if (offers and cover is not None and cover.proven and options.remat
                     and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
                 _report_phase(progress, started, "stronger lower bound")
                 stronger = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s,
@@ -227,8 +226,11 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     floor_bound_j = stronger.bound_j
                     start = stronger.start(priced.graph.size)
                     if (stronger.recomputed or stronger.paged) and start != cover_start:
+                        # The warm start's share may be spent by now: this greedy gets the bound's share again.
+                        greedy_deadline = Deadline(None if options.time_limit_s is None else
+                                                   _BOUND_SHARE * options.time_limit_s)
                         baselines += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
-                                                  options.paging, options.paging_in_runtime, warm_deadline, start,
+                                                  options.paging, options.paging_in_runtime, greedy_deadline, start,
                                                   GREEDY_FROM_STRONGER_COVER)
                         offers = cheapest_feasible(baselines)
             # A baseline within the gap of the bound proven so far is optimal without the MILP.
@@ -282,10 +284,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 
 # The warm start (baselines and the greedy) gets at most this share of the time limit, so the MILP has time.
 _WARM_START_SHARE = 0.3
-# The eviction bound gets at most this share of the time limit (and EVICTION_BOUND_TIME_LIMIT_S): 15 s of 120 s.
+# Each covering problem of the eviction bound (the first, and the one with second restorations where the first does
+# not prove the answer) gets at most this share of the time limit, and EVICTION_BOUND_TIME_LIMIT_S: 15 s of 120 s.
 _BOUND_SHARE = 0.125
-# The covering problem with second restorations is tried only with at least this much of the bound's time left.
-_STRONGER_BOUND_MIN_S = 1.0
 # Feasible baselines tried as the MILP start, cheapest first (one the model does not admit maps to None).
 _STARTS_TRIED = 4
 # The reserve kept for after the MILP: this many replays of plain training (solution, polish, validation)
