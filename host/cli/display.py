@@ -124,7 +124,7 @@ class LiveStatus:
         figures = f"   incumbent {incumbent}   bound {bound}   gap {gap}" if phase == "solving" else ""
 
         def render() -> str:
-            return f"  {phase:<14} {time.monotonic() - base_s:7.1f} s{figures}"
+            return f"  {phase:<20} {time.monotonic() - base_s:7.1f} s{figures}"
 
         changed = phase != self._last_phase
         self._last_phase = phase

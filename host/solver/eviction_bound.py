@@ -25,8 +25,8 @@ one gap (``second_restorations``; per stage, "absent here" is then a binary of i
 tensors, since a schedule may hold a tensor at one stage of a gap and not at another). A schedule
 maps onto these columns with a page-in column set wherever its gap has a page-in (its credit then
 needs no input), so the "absent, next restored by recomputation" columns are 1 only where every
-restoration of the gap is a recomputation. On
-resnet18_cifar at 40% on jetsontx2 it lifts the bound from 17.2 to 24.7 mJ above compute-once.
+restoration of the gap is a recomputation. On resnet18_cifar at 40% on jetsontx2 it lifts the bound
+from 17.2 to 24.7 mJ above compute-once.
 
 Choosing the cheapest evictions that cover every stage's excess (binaries per tensor and gap, the
 recomputation time within the runtime budget) is a small covering problem whose every schedule's
@@ -148,30 +148,33 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
     recompute_time: list[tuple[int, float]] = []
     paging_time: list[tuple[int, float]] = []
 
+    def restoration_cols(i: int) -> list[int]:
+        """New columns restoring tensor ``i`` once: recomputed or paged in (a page-in reads the tensor's page-out)."""
+        cols = []
+        if remat:
+            col = problem.add_var(cost=priced.compute_j[i] / cost_scale_j)
+            recompute_time.append((col, float(priced.compute_s[i])))
+            recompute_cols[col] = i
+            cols.append(col)
+        if paging:
+            col = problem.add_var(cost=priced.page_in_j[i] / cost_scale_j)
+            paging_time.append((col, float(priced.page_in_s[i])))
+            page_in_cols[col] = i
+            if i not in page_out_col:
+                page_out_col[i] = problem.add_var(cost=priced.page_out_j[i] / cost_scale_j)
+                paging_time.append((page_out_col[i], float(priced.page_out_s[i])))
+            problem.add_row([(col, 1.0), (page_out_col[i], -1.0)], ub=0.0)
+            cols.append(col)
+        return cols
+
     def restoration(i: int, gap: int) -> list[int]:
         """Columns restoring tensor ``i`` once in ``gap``: before its use ``uses[i][gap]``, or after its last
         use when ``gap == len(uses[i])`` (for a recomputation that reads it); recomputed or paged in."""
-        key = (i, gap)
-        if key not in restore:
-            cols = []
-            if remat:
-                col = problem.add_var(cost=priced.compute_j[i] / cost_scale_j)
-                recompute_time.append((col, float(priced.compute_s[i])))
-                recompute_cols[col] = i
-                cols.append(col)
-            if paging:
-                col = problem.add_var(cost=priced.page_in_j[i] / cost_scale_j)
-                paging_time.append((col, float(priced.page_in_s[i])))
-                page_in_cols[col] = i
-                if i not in page_out_col:
-                    page_out_col[i] = problem.add_var(cost=priced.page_out_j[i] / cost_scale_j)
-                    paging_time.append((page_out_col[i], float(priced.page_out_s[i])))
-                problem.add_row([(col, 1.0), (page_out_col[i], -1.0)], ub=0.0)  # a page-in reads a page-out
-                cols.append(col)
+        if (i, gap) not in restore:
+            restore[i, gap] = cols = restoration_cols(i)
             if len(cols) > 1:
                 problem.add_row([(col, 1.0) for col in cols], ub=1.0)
-            restore[key] = cols
-        return restore[key]
+        return restore[i, gap]
 
     def dead_inputs(i: int, stage: int) -> list[int]:
         """Inputs of ``i`` with bytes whose last reader ran before ``stage``: none if recomputation is off."""
@@ -218,22 +221,9 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         key = (d, int(np.searchsorted(uses[d], stage)))
         if key not in second:
             first = restoration(*key)
-            cols = []
-            for col in first:
-                tensor = recompute_cols.get(col)
-                if tensor is not None:
-                    extra = problem.add_var(cost=priced.compute_j[d] / cost_scale_j)
-                    recompute_time.append((extra, float(priced.compute_s[d])))
-                    recompute_cols[extra] = d
-                else:
-                    extra = problem.add_var(cost=priced.page_in_j[d] / cost_scale_j)
-                    paging_time.append((extra, float(priced.page_in_s[d])))
-                    page_in_cols[extra] = d
-                    problem.add_row([(extra, 1.0), (page_out_col[d], -1.0)], ub=0.0)
-                cols.append(extra)
-            # a second restoration needs a first
-            problem.add_row([(col, 1.0) for col in cols] + [(col, -1.0) for col in first], ub=0.0)
-            second[key] = cols
+            second[key] = restoration_cols(d)
+            # a second restoration needs a first (and so is one at most)
+            problem.add_row([(col, 1.0) for col in second[key]] + [(col, -1.0) for col in first], ub=0.0)
     rule_readers = {(stage, x) for stage, x, *_ in rules}
     credit_var: dict[tuple[int, int], int] = {}  # (stage, tensor) -> "absent here" for the rules' tensors
     absent_var: dict[tuple[int, int], int] = {}  # (stage, tensor) -> "absent here, next restored by recomputation"
