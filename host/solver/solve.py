@@ -270,6 +270,16 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                baselines=baselines, **common)
         return _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
                                 floor_bound_j, message=f"{expired}: the best baseline is returned")
+    except KeyboardInterrupt:
+        # Ctrl-C between the warm start and the MILP (the stronger bound, its greedy, building the model): the
+        # baselines priced so far are schedules; the best is returned, marked interrupted, as the MILP's would be.
+        if not offers:
+            raise
+        answer = _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
+                                  floor_bound_j, message=f"interrupted: the {offers[0].name} schedule, the best "
+                                                         f"found so far, is returned")
+        answer.interrupted = True
+        return answer
     if offers and (outcome.schedule is None or offers[0].energy_j < outcome.objective_j):
         # Never worse than the best baseline: a MILP stopped early, or whose model does not admit the baseline.
         best = offers[0]
