@@ -22,7 +22,7 @@ from host.solver.baselines import (
     paging_plan,
 )
 from host.solver.deadline import Deadline
-from host.solver.policy_search import GreedyStart, greedy_policy_plan
+from host.solver.policy_search import GreedyStart, greedy_policy_search
 from host.solver.stage_plan import StagePlan, lower_plan, make_schedule
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
@@ -31,6 +31,8 @@ GREEDY = "greedy"
 GREEDY_FROM_COVER = "greedy from the eviction cover"
 # The greedy from the covering problem with second restorations (host.solver.eviction_bound), where it differs.
 GREEDY_FROM_STRONGER_COVER = "greedy from the eviction cover with second restorations"
+# The cheapest greedy's plan improved by ejection moves (host.solver.policy_search.ejection_search).
+EJECTION_SEARCH = "ejection search from the cheapest greedy"
 
 
 @dataclass
@@ -44,6 +46,8 @@ class BaselineResult:
     runtime_s: float | None
     message: str = ""
     plan: StagePlan | None = field(default=None, repr=False, compare=False)
+    # A greedy's plan as policies and kept gaps (host.solver.policy_search), for searches that start from it.
+    policies: GreedyStart | None = field(default=None, repr=False, compare=False)
 
     @property
     def feasible(self) -> bool:
@@ -156,10 +160,12 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
 def price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging, paging_in_runtime, deadline,
                  start: GreedyStart | None = None, name: str = GREEDY) -> list[BaselineResult]:
     """The greedy from ``start`` (keeping everything when None), priced: one row, or none if ``deadline`` passed."""
-    plan = greedy_policy_plan(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
-                              paging_in_runtime=paging_in_runtime, deadline=deadline, start=start)
-    if plan is not None:
-        return [price_plan(name, plan, priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)]
+    found = greedy_policy_search(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
+                                 paging_in_runtime=paging_in_runtime, deadline=deadline, start=start)
+    if found is not None:
+        result = price_plan(name, found[0], priced, ram_budget_bytes, runtime_budget_s, paging_in_runtime)
+        result.policies = found[1]
+        return [result]
     if deadline.expired():
         return []
     return [BaselineResult(name, "infeasible", None, None, None, f"the {name} found no plan within the budgets")]

@@ -11,6 +11,7 @@ frees the most byte-stages per joule, until every stage fits the MILP's memory m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,31 +142,69 @@ def greedy_policy_plan(
     The search starts from ``start`` (default: keep everything). Once every stage fits, the local
     search that follows stops at ``deadline`` with the plan it has.
     """
+    found = greedy_policy_search(priced, ram_budget_bytes, runtime_budget_s, paging=paging, remat=remat,
+                                 paging_in_runtime=paging_in_runtime, max_moves=max_moves,
+                                 candidate_limit=candidate_limit, relief_exponent=relief_exponent, deadline=deadline,
+                                 start=start)
+    return None if found is None else found[0]
+
+
+def greedy_policy_search(
+    priced: PricedGraph,
+    ram_budget_bytes: float,
+    runtime_budget_s: float | None,
+    *,
+    paging: bool = True,
+    remat: bool = True,
+    paging_in_runtime: bool = False,
+    max_moves: int | None = None,
+    candidate_limit: int = 20,
+    relief_exponent: float = 1.5,
+    deadline: Deadline | None = None,
+    start: GreedyStart | None = None,
+) -> tuple[StagePlan, GreedyStart] | None:
+    """:func:`greedy_policy_plan`, with the policies and kept gaps its plan realises (a start for
+    :func:`ejection_search`)."""
     deadline = deadline or Deadline.none()
-    graph = priced.graph
-    size = graph.size
-    policy = list(start.policy) if start is not None else [KEEP] * size
-    kept = start.kept_gaps if start is not None else frozenset()
-    moves = [PAGE] if paging else []
-    if remat:
-        moves += [RECOMPUTE, RECOMPUTE_ONCE]
+    moves = _moves(paging, remat)
     if not moves:
         return None
+    policy = list(start.policy) if start is not None else [KEEP] * priced.graph.size
+    kept = start.kept_gaps if start is not None else frozenset()
+    evicted = _evict_until_fit(priced, policy, kept, ram_budget_bytes, moves, deadline,
+                               max_moves=max_moves, candidate_limit=candidate_limit, relief_exponent=relief_exponent)
+    if evicted is None:
+        return None
+    plan, kept = _improve(priced, policy, *evicted, ram_budget_bytes, [KEEP, *moves], deadline, runtime_budget_s,
+                          paging_in_runtime)
+    if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
+        return None
+    return plan, GreedyStart(policy, kept)
+
+
+def _moves(paging: bool, remat: bool) -> list[str]:
+    return ([PAGE] if paging else []) + ([RECOMPUTE, RECOMPUTE_ONCE] if remat else [])
+
+
+def _evict_until_fit(priced: PricedGraph, policy: list[str], kept: KeptGaps, ram_budget_bytes: float,
+                     moves: list[str], deadline: Deadline, *, held_in_ram: frozenset[int] = frozenset(),
+                     max_moves: int | None = None, candidate_limit: int = 20,
+                     relief_exponent: float = 1.5) -> tuple[KeptGaps, StagePlan] | None:
+    """Evict tensors greedily (``policy`` updated in place) until every stage fits: (kept gaps, plan), or None if
+    it gets stuck or ``deadline`` passes. The tensors in ``held_in_ram`` are never evicted."""
+    graph = priced.graph
     tabu: set[tuple[int, str]] = set()
     plan = plan_from_policies(priced, policy, kept)
     peaks = model_stage_peaks(plan, priced)
     energy = plan_energy_j(plan, priced)
-    for _ in range(max_moves or 4 * size):
+    for _ in range(max_moves or 4 * graph.size):
         excess = np.maximum(peaks - ram_budget_bytes, 0.0)
         if excess.max() <= 0:
-            plan, _ = _improve(priced, policy, kept, plan, ram_budget_bytes, [KEEP, *moves], deadline,
-                               runtime_budget_s, paging_in_runtime)
-            if runtime_budget_s is not None and plan_runtime_s(plan, priced, paging_in_runtime) > runtime_budget_s:
-                return None
-            return plan
+            return kept, plan
         worst = int(np.argmax(excess))
         # Candidates: tensors held across the worst stage, largest byte-stages held first.
-        held = [i for i in range(worst) if plan.keep_ram[worst, i] and graph.nodes[i].output_bytes > 0]
+        held = [i for i in range(worst) if plan.keep_ram[worst, i] and graph.nodes[i].output_bytes > 0
+                and i not in held_in_ram]
         held.sort(key=lambda i: -graph.nodes[i].output_bytes * int(plan.keep_ram[:, i].sum()))
         present = held[:candidate_limit]
         best = None
@@ -196,6 +235,56 @@ def greedy_policy_plan(
         tabu.add((i, move))
         energy = plan_energy_j(plan, priced)
     return None
+
+
+def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], ram_budget_bytes: float,
+                    runtime_budget_s: float | None, *, paging: bool = True, remat: bool = True,
+                    paging_in_runtime: bool = False, deadline: Deadline | None = None) -> Iterator[StagePlan]:
+    """Improve a greedy plan by ejection moves; yields each cheaper plan (every one fits both budgets).
+
+    A move keeps one evicted tensor in RAM in every gap and lets the greedy evict others instead until
+    every stage fits again, then runs the local search; it is taken when the plan costs less. The local
+    search alone cannot find these: keeping one tensor overflows several stages at once, which no
+    single or paired change repairs. Tensors are tried from the costliest restoration down, in passes,
+    until a pass takes no move or ``deadline`` passes (measured on traced MobileNetV2 at 30% on m4: the
+    greedy's 0.48194 J to 0.47806 J in 30 s, its gap to the eviction bound from 2.27% to 1.48%).
+    """
+    deadline = deadline or Deadline.none()
+    moves = _moves(paging, remat)
+    plan, start = found
+    policy, kept = list(start.policy), start.kept_gaps
+    energy = plan_energy_j(plan, priced)
+    improved = True
+    while improved and not deadline.expired():
+        improved = False
+        for i in sorted((i for i, p in enumerate(policy) if p != KEEP),
+                        key=lambda i: -_restoration_j(plan, priced, i)):
+            if deadline.expired():
+                return
+            if policy[i] == KEEP:  # kept by an earlier move of this pass
+                continue
+            trial_policy = list(policy)
+            trial_policy[i] = KEEP
+            evicted = _evict_until_fit(priced, trial_policy, _evicted_in_every_gap(kept, i), ram_budget_bytes,
+                                       moves, deadline, held_in_ram=frozenset({i}))
+            if evicted is None or plan_energy_j(evicted[1], priced) >= energy - 1e-15:
+                continue
+            trial, trial_kept = _improve(priced, trial_policy, *evicted, ram_budget_bytes, [KEEP, *moves],
+                                         deadline, runtime_budget_s, paging_in_runtime)
+            trial_energy = plan_energy_j(trial, priced)
+            if trial_energy >= energy - 1e-15 or (
+                    runtime_budget_s is not None
+                    and plan_runtime_s(trial, priced, paging_in_runtime) > runtime_budget_s):
+                continue
+            policy, kept, plan, energy = trial_policy, trial_kept, trial, trial_energy
+            improved = True
+            yield plan
+
+
+def _restoration_j(plan: StagePlan, priced: PricedGraph, i: int) -> float:
+    """Joules ``plan`` spends restoring tensor ``i``: its recomputations beyond the first compute, and its paging."""
+    return float((plan.recompute[:, i].sum() - 1) * priced.compute_j[i] + plan.page_in[:, i].sum() * priced.page_in_j[i]
+                 + plan.page_out[:, i].sum() * priced.page_out_j[i])
 
 
 def _kept_anywhere(kept: KeptGaps, i: int) -> bool:
