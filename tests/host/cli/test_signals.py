@@ -49,16 +49,19 @@ SOLVING = (["--model", "poet2022:resnet18_cifar", "--platform", "m4", "--ram-bud
 # resnet18_cifar at 40% on jetsontx2: the first bound does not prove the greedy, and the second problem takes 3.5 s
 STRONGER_BOUND = (["--model", "resnet18_cifar", "--platform", "jetsontx2", "--ram-budget", "40%", "--time-limit", "60"],
                   None, "stronger lower bound", 0.5)
+# the same solve, stopped while ejection moves improve the greedy (the second bound leaves it 0.77% from the bound)
+EJECTION_SEARCH = (STRONGER_BOUND[0], None, "ejection search", 0.2)
 
 
 @pytest.mark.parametrize("signum,exit_code,case", [
     pytest.param(signal.SIGINT, EXIT_INTERRUPTED, SOLVING, marks=pytest.mark.slow),  # 18 s each: it waits for an incumbent
     pytest.param(signal.SIGTERM, EXIT_TERMINATED, SOLVING, marks=pytest.mark.slow),
     pytest.param(signal.SIGINT, EXIT_INTERRUPTED, STRONGER_BOUND, marks=pytest.mark.slow),
+    pytest.param(signal.SIGINT, EXIT_INTERRUPTED, EJECTION_SEARCH, marks=pytest.mark.slow),
 ])
 def test_a_signal_during_a_solve_keeps_the_incumbent(tmp_path, signum, exit_code, case):
-    """Stopped while solving, or while the stronger bound is proven after the baselines: the best schedule so far is
-    reported (marked interrupted) and written."""
+    """Stopped while solving, or after the baselines (while the stronger bound is proven, or ejection moves run): the
+    best schedule so far is reported (marked interrupted) and written."""
     arguments, budget_bytes, phase, wait_s = case
     out = tmp_path / "r18.schedule.json"
     process = subprocess.Popen(
