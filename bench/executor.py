@@ -24,6 +24,9 @@ not bitwise eager): in part 2 a ``POET --compile`` row per budget, its schedule 
 room), and in part 1 a second interleaved round per granularity with POET --compile's keep-all, POET
 uncompiled and ``torch.compile`` of the whole model, each as a ratio to plain.
 
+``--granularity`` sets the nodes of part 2's POET rows: layer (the default, what ``poet solve`` gives), ``block:N``,
+or ``auto`` as above (uncompiled, coarser nodes make fewer calls per step: part 1's block rows).
+
 Part 1 runs at three granularities (layer, block:2, block:1) under two allocator settings: glibc's
 default, and glibc keeping freed memory for reuse (``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_``, what ``poet train`` sets by default), which separates the executor's own
@@ -494,6 +497,7 @@ class _Method:
         if self.kind == "poet":
             traced = trace_model(bundle, granularity=method.get("granularity", "layer"),
                                  block_depth=method.get("block_depth", 1))
+            self.granularity = _granularity_text((traced.granularity, traced.graph.meta.get("block_depth", 1)))
             self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(method["schedule"]),
                                              flash_dir=config["flash_dir"], energy_meter=meter,
                                              inductor=method.get("inductor", False))
@@ -538,7 +542,8 @@ class _Method:
     def tracked(self) -> dict:
         """One more step, counted: the peak of live activation bytes (saved bytes for torch.compile, and plain)."""
         if self.executor is not None:
-            return {"tracked_bytes": self.peak_tracked_bytes, "tracked_source": "executor peak_tracked_bytes"}
+            return {"tracked_bytes": self.peak_tracked_bytes, "tracked_source": "executor peak_tracked_bytes",
+                    "granularity": self.granularity}
         module, optimizer = self.bundle.module, self.optimizer
         present = [*module.parameters(), *module.buffers(), *self.bundle.inputs, self.bundle.labels,
                    *(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
@@ -693,13 +698,15 @@ def _share_text(share: float) -> str:
 
 
 def _method_specs(model: str, batch_size: int, shares: list[float], schedules: dict[float, str],
-                  compiled: dict[float, str], compiled_granularity: dict[float, tuple[str, int]]) -> list[tuple]:
+                  granularity: dict[float, tuple[str, int]], compiled: dict[float, str],
+                  compiled_granularity: dict[float, tuple[str, int]]) -> list[tuple]:
     """(label, config, share or None) of every method; POET (and POET --compile) and torch.compile once per share."""
     from host.graph.zoo import get_model_spec
 
     flat, _ = _pieces(get_model_spec(model).build())
     specs = [("plain", {"method": "plain"}, None)]
-    specs += [("POET", {"method": "poet", "schedule": schedules[s]}, s) for s in shares if s in schedules]
+    specs += [("POET", {"method": "poet", "schedule": schedules[s], "granularity": granularity[s][0],
+                        "block_depth": granularity[s][1]}, s) for s in shares if s in schedules]
     specs += [(COMPILED_POET, {"method": "poet", "schedule": compiled[s], "granularity": compiled_granularity[s][0],
                                "block_depth": compiled_granularity[s][1], "inductor": True}, s)
               for s in shares if s in compiled]
@@ -743,12 +750,19 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
                           predicted_peak_bytes=predicted.peak_ram_bytes)
         return solved
 
+    poet_granularity = {}
     for share in shares:
+        poet_priced = priced
+        poet_granularity[share] = args.granularity
+        if args.granularity != ("layer", 1):  # POET's own trace at the coarser nodes asked for
+            poet_granularity[share], poet_priced = _graph_at_granularity(model, batch_size, profile, args.granularity,
+                                                                         share * peak)
         info = {"model": model, "batch_size": batch_size, "budget_share": share, "no_remat_peak_bytes": peak,
                 "budget_bytes": share * peak, "calibrated": args.calibrate,
-                **solve(priced, share, "POET", schedules, "schedule")}
+                "granularity": _granularity_text(poet_granularity[share]),
+                **solve(poet_priced, share, "POET", schedules, "schedule")}
         if args.compile:  # POET --compile runs coarser nodes (inductor fuses within a node): its own trace and solve
-            granularity, compiled_priced = _compile_graph(model, batch_size, profile, args.compile_granularity,
+            granularity, compiled_priced = _graph_at_granularity(model, batch_size, profile, args.compile_granularity,
                                                           share * peak)
             compiled_granularity[share] = granularity
             info["compiled"] = {"granularity": _granularity_text(granularity),
@@ -760,7 +774,7 @@ def budget_rows(args, model: str, batch_size: int, shares: list[float], measured
         "compute_power_w": measured_profile.compute_power_w,  # profiled with args.threads threads
         "memory_power_w": measured_profile.memory_power_w, "flash_dir": args.flash_dir,
     }
-    specs = _method_specs(model, batch_size, shares, schedules, compiled, compiled_granularity)
+    specs = _method_specs(model, batch_size, shares, schedules, poet_granularity, compiled, compiled_granularity)
     print(f"[{model}] timing {len(specs)} methods interleaved", file=log, flush=True)
     timed = _spawn({**common, "methods": [config for _, config, _ in specs]}, "--run-timed",
                    allocator="glibc keeps freed memory")
@@ -802,8 +816,8 @@ AUTO_FLOOR_SHARE = 0.8
 AUTO_MAX_DEPTH = 8
 
 
-def _compile_graph(model: str, batch_size: int, profile, granularity, budget_bytes: float):
-    """(granularity, priced graph) of POET --compile's trace: as asked, or with ``auto`` the coarsest block depth
+def _graph_at_granularity(model: str, batch_size: int, profile, granularity, budget_bytes: float):
+    """(granularity, priced graph) of a POET trace: as asked, or with ``auto`` the coarsest block depth
     that leaves room under the budget (else layer)."""
     from host.costs import price_graph
     from host.graph.trace import trace_model
@@ -841,9 +855,12 @@ def _method_row(model, batch_size, share, info, label, config, timing, memory, p
     if config["method"] == "poet":
         row["fits_budget"] = tracked is not None and tracked <= info["budget_bytes"] * 1.001
         notes.append("the executor holds its tracked bytes under the budget")
+        # as the executor's process traced it (the solve's where that process failed)
+        row.setdefault("granularity", info["compiled"]["granularity"] if config.get("inductor") else info["granularity"])
         if config.get("inductor"):
-            row["granularity"] = info["compiled"]["granularity"]
             notes.append(f"inductor kernels, {row['granularity']} nodes (not bitwise eager)")
+        elif row["granularity"] != "layer":
+            notes.append(f"{row['granularity']} nodes")
     elif tracked is None:
         row["fits_budget"] = None
     else:
@@ -939,7 +956,8 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
 def _print_methods(args, info: dict, rows: list[dict], log) -> None:
     share = info["budget_share"]
     print(f"\n## 2. {info['model']}, batch {info['batch_size']}, at {_share_text(share)} of the no-remat peak "
-          f"({info['budget_bytes'] / 1e6:.2f} MB of {info['no_remat_peak_bytes'] / 1e6:.2f} MB), POET at layer granularity, "
+          f"({info['budget_bytes'] / 1e6:.2f} MB of {info['no_remat_peak_bytes'] / 1e6:.2f} MB), POET at "
+          f"{info['granularity']} granularity ({info['nodes']} nodes), "
           f"profile of this machine (quick{', calibrated on executor telemetry of this model' if info['calibrated'] else ''})"
           "\n", file=log)
     _print_solve("POET", info, args, log)
@@ -1031,6 +1049,9 @@ def main() -> None:
                              f"coarsest block depth whose largest node's inputs, output and workspace take at most "
                              f"{100 * AUTO_FLOOR_SHARE:.0f}%% of the budget (inductor fuses within a node, and each compiled "
                              "call costs more than an uncompiled one)")
+    parser.add_argument("--granularity", type=_parse_granularity, default=("layer", 1),
+                        help="nodes of the POET rows of part 2: layer (the default, as `poet solve`), block:N, or "
+                             "auto (per budget, as --compile-granularity auto)")
     parser.add_argument("--part", type=int, choices=[1, 2, 3], help="run only this part (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout; tables go to stderr")
     parser.add_argument("--run-timed", help=argparse.SUPPRESS)

@@ -19,10 +19,12 @@ METHOD_FIELDS = {"model", "budget_share", "method", "s_per_step", "j_per_step", 
 
 @pytest.mark.slow
 def test_json_has_both_parts_and_every_method(tmp_path):
-    """mlp at 80% (POET is feasible there), 2 steps: both parts' rows, each method once, POET within its budget."""
+    """mlp at 80% (POET is feasible there), 2 steps: both parts' rows, each method once, POET within its budget;
+    POET's rows at the granularity asked for (its own trace, solve and executor partition)."""
     out = subprocess.run(
         [sys.executable, "bench/executor.py", "--json", "--models", "mlp", "--budgets", "80%", "--steps", "2",
-         "--overhead-steps", "2", "--no-calibrate", "--time-limit", "20", "--flash-dir", str(tmp_path)],
+         "--overhead-steps", "2", "--no-calibrate", "--time-limit", "20", "--granularity", "block:1",
+         "--flash-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -48,4 +50,5 @@ def test_json_has_both_parts_and_every_method(tmp_path):
     assert plain["tracked_bytes"] > 0 and plain["fits_budget"] is False
     [budget] = report["budgets"]
     assert 0 < poet["tracked_bytes"] <= budget["budget_bytes"] * 1.001 and poet["fits_budget"] is True
+    assert poet["granularity"] == budget["granularity"] == "block:1" and "block:1 nodes" in poet["note"]
     assert "plain training" in rows["save_on_cpu"]["note"]
