@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from host.graph.granularity import GRANULARITY_HELP, granularity_text, parse_granularity
 from host.run import values
 from host.solver.deadline import DEFAULT_TIME_LIMIT_S
 
@@ -90,6 +91,8 @@ def _input_shape(text: str) -> tuple[int, ...]:
 
 
 input_shape = _arg_type(_input_shape, "shape")
+# layer, block, block:N or op, as its canonical text
+granularity = _arg_type(lambda text: granularity_text(*parse_granularity(text)), "granularity")
 
 
 def _not_an_existing(kind: str, check: Callable[[str], bool]) -> Callable[[str], str]:
@@ -131,8 +134,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, platform_help: str | None
                              "e.g. 32,64 (default: none)")
     parser.add_argument("--batch-size", type=positive_int, metavar="N",
                         help="batch size of a zoo or poet2022 model, >= 1 (default: the model's)")
-    parser.add_argument("--granularity", default="layer", choices=["layer", "block", "op"],
-                        help="how traced ops are grouped into schedulable nodes (default: layer)")
+    parser.add_argument("--granularity", default="layer", type=granularity, metavar="{layer,block,block:N,op}",
+                        help=GRANULARITY_HELP)
 
 
 def add_solver_args(parser: argparse.ArgumentParser, *, runtime_default: float = 1.2,

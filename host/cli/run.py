@@ -14,6 +14,7 @@ from host.cli.common import (
     Console,
     add_ablation_args,
     add_json_arg,
+    granularity,
     learning_rate,
     positive_int,
     runtime_factor,
@@ -29,6 +30,7 @@ from host.cli.operator import (
 )
 from host.fleet.client import CERTS_ENV, COORDINATOR_ENV, OperatorClient
 from host.fleet.status import RunStatus
+from host.graph.granularity import GRANULARITY_HELP
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -171,7 +173,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         AUTO_MARGIN_BYTES,
         SOLVE_TIME_LIMIT_S,
     )
-    from host.run.sources import GRANULARITIES
 
     run = sub.add_parser(
         "run", help="train, verify or profile on boards of the fleet",
@@ -216,8 +217,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "board has no such version (default: each board's latest version, else its shipped "
                           "platform, else this machine's)")
     add_ablation_args(run)
-    run.add_argument("--granularity", default="layer", choices=list(GRANULARITIES),
-                     help="schedulable nodes: one per layer, per top-level block, or per aten op (default: layer)")
+    run.add_argument("--granularity", default="layer", type=granularity, metavar="{layer,block,block:N,op}",
+                     help=GRANULARITY_HELP)
     run.add_argument("--compile", action="store_true",
                      help="boards run the node functions through inductor (fused kernels; TRAIN only, not bitwise "
                           "eager; pays on coarse nodes: use with --granularity block; the first step compiles)")

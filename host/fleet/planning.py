@@ -251,8 +251,8 @@ class Planner:
         return [known[n] for n in names]
 
     def submit(self, request) -> list:
+        from host.graph.granularity import parse_granularity
         from host.run.errors import UserError
-        from host.run.sources import GRANULARITIES
 
         kind = serde.JOB_KIND_FROM_PB.get(request.kind or fleet_pb2.JOB_KIND_TRAIN)
         optimizer = serde.OPTIMIZER_FROM_PB.get(request.optimizer or fleet_pb2.OPTIMIZER_SGD)
@@ -260,9 +260,11 @@ class Planner:
         if kind is None or optimizer is None or collect is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "unknown job kind, optimizer or collect value")
         runtime_factor = request.runtime_budget or DEFAULT_RUNTIME_FACTOR
-        if request.granularity and request.granularity not in GRANULARITIES:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"granularity {request.granularity[:40]!r} is not one of {', '.join(GRANULARITIES)}")
+        if request.granularity:
+            try:
+                parse_granularity(request.granularity)
+            except ValueError as error:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         if request.compile and kind != "train":
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"--compile runs the node functions through inductor, whose fused kernels round differently "

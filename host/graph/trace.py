@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 
 from device_agent.executor.split import make_schedulable
 from host.graph.export import TraceError, export_program
+from host.graph.granularity import GRANULARITIES, granularity_text, parse_granularity
 from host.graph.grouping import (
     GROUP_META_KEY,
     INPUT_NODE,
@@ -56,7 +57,6 @@ __all__ = [
     "TraceError", "TracedModel", "trace_model",
 ]  # fmt: skip
 
-GRANULARITIES: tuple[str, ...] = ("layer", "block", "op")
 
 
 # ----------------------------------------------------------------------------- result types
@@ -91,17 +91,21 @@ class TracedModel:
 
 
 # ----------------------------------------------------------------------------- entry point
-def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: int = 1) -> TracedModel:
+def trace_model(bundle: ModelBundle, granularity: str = "layer", block_depth: int | None = None) -> TracedModel:
     """Trace ``bundle`` (module, example batch, labels, loss) into a TrainingGraph and its runnable program.
 
     ``granularity``: "layer" (one node per leaf module call, plus top-level ops such as residual adds),
-    "block" (module path cut to ``block_depth`` levels) or "op" (one node per non-view aten op).
+    "block" (module path cut to ``block_depth`` levels, default 1), "block:N" (cut to N levels) or "op" (one
+    node per non-view aten op); see host.graph.granularity.
     The module is traced as given: each submodule's own ``training`` flag (a BatchNorm frozen with ``.eval()``
     keeps its running statistics; a dropout in eval mode is the identity). Its buffers, modes and the global
     RNG are left as they were.
     """
-    if granularity not in GRANULARITIES:
-        raise TraceError(f"unknown granularity {granularity!r}; expected one of {GRANULARITIES}")
+    try:
+        granularity, parsed_depth = parse_granularity(granularity)
+    except ValueError as error:
+        raise TraceError(str(error)) from None
+    block_depth = parsed_depth if block_depth is None else block_depth
     if block_depth < 1:
         raise TraceError(f"block_depth must be at least 1, got {block_depth}")
     started = time.perf_counter()
@@ -142,7 +146,7 @@ def _trace(bundle: ModelBundle, granularity: str, block_depth: int, started: flo
         input_names=tuple(p.name for p in user_inputs),
         label_name=label_node.name,
         loss_value=_loss_node(gm).name,
-        granularity=granularity,
+        granularity=granularity_text(granularity, block_depth),
         trace_seconds=time.perf_counter() - started,
         value_producer=producer,
         exported=exported,

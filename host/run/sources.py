@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from host.graph.granularity import granularity_text, parse_granularity
 from host.run import values
 from host.run.errors import InputError
 
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from host.graph.resolve import ResolvedModel
     from host.graph.zoo import ModelBundle
 
-GRANULARITIES = ("layer", "block", "op")
 LOCAL_PLATFORM = "local"  # profile this machine (quick micro-benchmarks) instead of loading a file
 
 
@@ -38,8 +38,10 @@ class ModelSource:
         if self.batch_size is not None:
             self.batch_size = values.checked("batch_size", values.count, self.batch_size)
         self.seed = values.checked("seed", values.seed, self.seed)
-        if self.granularity not in GRANULARITIES:
-            raise InputError(f"granularity: {self.granularity!r} is not one of {', '.join(GRANULARITIES)}")
+        try:
+            self.granularity = granularity_text(*parse_granularity(self.granularity))
+        except ValueError as error:
+            raise InputError(str(error)) from None
         if isinstance(self.input_shape, str):
             from host.graph.model_source import parse_input_shape
 

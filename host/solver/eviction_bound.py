@@ -228,17 +228,34 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                     windows[d, by, next_use] = [later for later in range(by, next_use) if later in binding_set]
                 if windows[d, by, next_use]:
                     rules.append((stage, x, d, by, next_use))
+    # One level deeper: the recomputation of x (live at t, read by y's recomputation after t, by w) runs by w when x
+    # is absent at t and restored only by recomputation, and reads x's own input d (live at t). If d is absent at t
+    # and again at a binding stage in [w, d's next use), d is restored twice in that gap: MobileNetV2's expand
+    # convolution, read by its BatchNorm's recomputation for the ReLU6 and padding the depthwise backward reads,
+    # and again by its BatchNorm's backward. Rules: (t, y, x, d, w, d's next use after t).
+    deeper: list[tuple[int, int, int, int, int, int]] = []
+    for stage, y, x, by, _ in rules:
+        for d in dict.fromkeys(graph.nodes[x].deps):
+            if d not in live_sets[stage] or d in (x, y):
+                continue
+            next_use = uses[d][int(np.searchsorted(uses[d], stage))]
+            if (d, by, next_use) not in windows:
+                windows[d, by, next_use] = [later for later in range(by, next_use) if later in binding_set]
+            if windows[d, by, next_use]:
+                deeper.append((stage, y, x, d, by, next_use))
     second: dict[tuple[int, int], list[int]] = {}  # (tensor, gap) -> the columns of a second restoration
-    credited = {(stage, d) for stage, _, d, _, _ in rules} | {(later, d) for _, _, d, *window in rules
-                                                              for later in windows[(d, *window)]}
-    for stage, _, d, _, _ in rules:
+    doubled = [(stage, d, by, next_use) for stage, _, d, by, next_use in rules]
+    doubled += [(stage, d, by, next_use) for stage, _, _, d, by, next_use in deeper]
+    credited = {(stage, d) for stage, d, _, _ in doubled} | {(later, d) for _, d, *window in doubled
+                                                            for later in windows[(d, *window)]}
+    for stage, d, _, _ in doubled:
         key = (d, int(np.searchsorted(uses[d], stage)))
         if key not in second:
             first = restoration(*key)
             second[key] = restoration_cols(d)
             # a second restoration needs a first (and so is one at most)
             problem.add_row([(col, 1.0) for col in second[key]] + [(col, -1.0) for col in first], ub=0.0)
-    rule_readers = {(stage, x) for stage, x, *_ in rules}
+    rule_readers = {(stage, x) for stage, x, *_ in rules} | {(stage, x) for stage, _, x, *_ in deeper}
     credit_var: dict[tuple[int, int], int] = {}  # (stage, tensor) -> "absent here" for the rules' tensors
     absent_var: dict[tuple[int, int], int] = {}  # (stage, tensor) -> "absent here, next restored by recomputation"
 
@@ -296,18 +313,28 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         problem.add_row(terms, lb=float(excess[stage]) / ram_budget_bytes)
     # d absent at some binding stage of [w, d's next use): one column per window, shared by the stages t before w.
     absent_later: dict[tuple[int, int, int], int] = {}
-    for stage, x, d, by, next_use in rules:
-        recomputed_after = absent_var.get((stage, x))
-        if recomputed_after is None:
-            continue  # x is not recomputed after this stage in any cover (it has no recompute column there)
-        window = (d, by, next_use)
+
+    def restored_twice(stage: int, d: int, window: tuple[int, int, int], recomputed_after: list[int]) -> None:
+        """d absent at ``stage``, the recomputations ``recomputed_after`` after it, and d absent in ``window``:
+        a second restoration of d."""
         if window not in absent_later:
             absent_later[window] = var = problem.add_var(integer=True)
             for later_stage in windows[window]:
                 problem.add_row([(credit_var[later_stage, d], 1.0), (var, -1.0)], ub=0.0)
         key = (d, int(np.searchsorted(uses[d], stage)))
-        problem.add_row([(credit_var[stage, d], 1.0), (absent_later[window], 1.0), (recomputed_after, 1.0)]
-                        + [(col, -1.0) for col in second[key]], ub=2.0)
+        problem.add_row([(credit_var[stage, d], 1.0), (absent_later[window], 1.0)]
+                        + [(col, 1.0) for col in recomputed_after] + [(col, -1.0) for col in second[key]],
+                        ub=1.0 + len(recomputed_after))
+
+    for stage, x, d, by, next_use in rules:
+        recomputed_after = absent_var.get((stage, x))
+        if recomputed_after is None:
+            continue  # x is not recomputed after this stage in any cover (it has no recompute column there)
+        restored_twice(stage, d, (d, by, next_use), [recomputed_after])
+    for stage, y, x, d, by, next_use in deeper:
+        chain = [absent_var.get((stage, y)), absent_var.get((stage, x))]
+        if None not in chain:
+            restored_twice(stage, d, (d, by, next_use), chain)
     if runtime_budget_s is not None:
         timed = recompute_time + (paging_time if paging_in_runtime else [])
         slack_s = runtime_budget_s - priced.base_runtime_s

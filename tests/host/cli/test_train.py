@@ -8,7 +8,7 @@ import os
 import pytest
 from torch import nn
 
-from host.cli.common import EXIT_USAGE, EXIT_VERIFY_FAILED
+from host.cli.common import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED
 from tests.host.cli.helpers import one_json_object, run_main
 
 
@@ -184,3 +184,31 @@ def test_train_compile_with_plain_is_refused(capfd):
     code, _out, err = run_main(capfd, "train", "--model", "mlp", "--ram-budget", "80%", "--plain", "--compile")
     assert code == EXIT_USAGE
     assert "--compile" in err and "torch.compile" in err
+
+
+def test_a_schedule_solved_at_block_depth_two_trains_at_that_depth(tmp_path):
+    """The real `poet` script: `--granularity block:2` gives nodes between block and layer; the schedule solved
+    there trains at that granularity exactly as planned, and at another granularity it is refused."""
+    from tests.host.cli.helpers import poet
+
+    nodes = {}
+    for granularity in ("block", "block:2", "layer"):
+        out = poet("solve", "--model", "resnet18_cifar", "--platform", "a72", "--batch-size", "4", "--ram-budget", "80%",
+                   "--granularity", granularity, "--time-limit", "20", "--out", str(tmp_path / f"{granularity}.json"),
+                   "--json")
+        # one top-level block's inputs, output and workspace are the whole no-remat peak: no schedule at 80%
+        assert out.returncode == (EXIT_INFEASIBLE if granularity == "block" else EXIT_OK), out.stderr
+        nodes[granularity] = one_json_object(out.stdout)["nodes"]
+    assert nodes["block"] < nodes["block:2"] < nodes["layer"]
+    schedule = str(tmp_path / "block:2.json")
+    out = poet("train", "--model", "resnet18_cifar", "--batch-size", "4", "--granularity", "block:2", "--schedule",
+               schedule, "--steps", "2", "--flash-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    report = one_json_object(out.stdout)
+    assert report["mode"] == "schedule" and report["planned"] == report["executed"]
+    refused = poet("train", "--model", "resnet18_cifar", "--batch-size", "4", "--schedule", schedule, "--steps", "1",
+                   "--flash-dir", str(tmp_path))
+    assert refused.returncode != 0 and "solve the schedule again" in refused.stderr
+    bad = poet("solve", "--model", "resnet18_cifar", "--platform", "a72", "--ram-budget", "60%", "--granularity",
+               "block:0")
+    assert bad.returncode == 2 and "--granularity" in bad.stderr and "block:N" in bad.stderr

@@ -603,4 +603,6 @@ def test_a_run_at_block_granularity_with_compile_reaches_the_board_so(cert_dir, 
                                    compile=True))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "bitwise" in error.details()
     error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1"], granularity="neuron"))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "layer, block, op" in error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "layer, block, block:N" in error.details()
+    error = refused(lambda: submit(cert_dir, coordinator.port, agents=["pi-1"], granularity="block:0"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'block:0'" in error.details()

@@ -221,6 +221,11 @@ def test_granularities_and_inplace_rewrite():
     traced_block = trace_model(bundle, granularity="block")
     assert [n.name for n in traced_block.graph.forward_nodes()] == ["input", "stem", "stage", "head", "loss"]
     deeper = trace_model(bundle, granularity="block", block_depth=2)
+    assert traced_block.granularity == "block" and deeper.granularity == "block:2"
+    # "block:2" is the text users pass (poet solve --granularity block:2): the same nodes
+    assert [n.name for n in trace_model(bundle, granularity="block:2").graph.nodes] == [n.name for n in deeper.graph.nodes]
+    with pytest.raises(TraceError, match="block:N"):
+        trace_model(bundle, granularity="block:0")
     assert [n.name for n in deeper.graph.forward_nodes()][1:-1] == [
         "stem.0",
         "stem.1",

@@ -79,6 +79,33 @@ def residual_graph(blocks: int, out_bytes: list[int]) -> TrainingGraph:
     return builder.build(param_bytes=1000, param_grad_bytes=1000)
 
 
+def inverted_residual_graph(out_bytes: list[int]) -> TrainingGraph:
+    """A MobileNetV2 block as traced: expand conv -> bn -> relu6 -> pad -> depthwise conv -> bn -> relu6 -> project conv.
+
+    Each backward reads what torch saves: a convolution's its input, a BatchNorm's its input, a ReLU6's its input
+    (the BatchNorm's output), a padding's nothing. So the first ReLU6's output has no reader after the padding:
+    recomputing the padding for the depthwise backward recomputes it from the BatchNorm's output, which the
+    expand convolution's output gives. ``out_bytes``: one per forward node after the input (8).
+    """
+    builder = GraphBuilder("inverted_residual")
+    sizes = iter(out_bytes)
+    conv_flops, cheap_flops = 100_000, 100
+    forward = [("c1", "x", conv_flops), ("b1", "c1", cheap_flops), ("r1", "b1", cheap_flops), ("p1", "r1", cheap_flops),
+               ("d1", "p1", conv_flops), ("b2", "d1", cheap_flops), ("r2", "b2", cheap_flops), ("c2", "r2", conv_flops)]
+    builder.add("x", "fwd", 0, 0, [], op_class="input")
+    for name, dep, flops in forward:
+        builder.add(name, "fwd", next(sizes), flops, [dep], op_class="conv" if flops == conv_flops else "act")
+    builder.add("loss", "loss", 4, 10, ["c2"], op_class="loss")
+    builder.add("bwd:loss", "bwd", 4, 20, ["loss", "c2"], forward_of="loss")
+    upstream = "bwd:loss"
+    saved = {"c2": "r2", "r2": "b2", "b2": "d1", "d1": "p1", "p1": None, "r1": "b1", "b1": "c1", "c1": "x"}
+    for name, _, flops in reversed(forward):
+        reads = [upstream] + ([saved[name]] if saved[name] else [])
+        builder.add(f"bwd:{name}", "bwd", 8, 2 * flops, reads, forward_of=name)
+        upstream = f"bwd:{name}"
+    return builder.build(param_bytes=1000, param_grad_bytes=1000)
+
+
 def random_training_graph(seed: int, size: int) -> TrainingGraph:
     rng = random.Random(seed)
     deps: list[list[int]] = [[]]

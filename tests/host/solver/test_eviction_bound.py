@@ -9,7 +9,7 @@ from host.solver.eviction_bound import CLOSED_RTOL, eviction_bound_j, eviction_c
 from host.solver.milp import MilpResult
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 
-from .graphs import chain_graph, price_simply, random_training_graph, residual_graph
+from .graphs import chain_graph, inverted_residual_graph, price_simply, random_training_graph, residual_graph
 
 RTOL = 1e-6
 
@@ -95,6 +95,38 @@ def test_a_live_input_read_by_a_recomputation_between_two_absences_is_restored_t
     assert twice <= optimum.objective_j * (1 + RTOL)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bound_never_exceeds_the_proven_optimum_on_an_inverted_residual_block(seed):
+    """MobileNetV2's block: a live tensor (the expand convolution's output) read by the recomputation of another
+    live one (its BatchNorm's output), which a dead chain's recomputation (ReLU6, padding) reads."""
+    import random
+
+    rng = random.Random(seed)
+    priced = price_simply(inverted_residual_graph([rng.choice([100, 200, 400]) for _ in range(8)]),
+                          page_j_per_byte=rng.choice([1e-5, 1e-4, 1e-3]))
+    budget = max(minimum_ram_bytes(priced), rng.uniform(0.0, 0.6) * no_remat_peak_bytes(priced))
+    optimum = _milp_optimum(priced, budget, 1.5)
+    assert optimum.status == "optimal", optimum.message
+    stronger = eviction_bound_j(priced, budget, 1.5 * priced.base_runtime_s, second_restorations=True)
+    assert stronger <= optimum.objective_j * (1 + RTOL)
+
+
+def test_an_input_read_by_a_second_level_recomputation_between_two_absences_is_restored_twice():
+    """Recomputing the padding for the depthwise backward recomputes the ReLU6 (dead), which reads the BatchNorm's
+    output (live: the ReLU6's backward reads it), whose recomputation reads the expand convolution's output (live:
+    the BatchNorm's backward reads it). Absent before and again at the depthwise backward (no room at 800 bytes),
+    that output is restored twice: the bound reaches the optimum, 0.91853 J, where the first problem proves 0.91443 J
+    (and so did the second before it counted this case)."""
+    priced = price_simply(inverted_residual_graph([400, 200, 200, 400, 200, 100, 400, 400]), page_j_per_byte=1e-5)
+    budget = 800
+    assert minimum_ram_bytes(priced) <= budget
+    runtime = 1.5 * priced.base_runtime_s
+    optimum = _milp_optimum(priced, budget, 1.5)
+    assert optimum.status == "optimal" and optimum.objective_j == pytest.approx(0.91853, rel=1e-6)
+    assert eviction_bound_j(priced, budget, runtime) == pytest.approx(0.91443, rel=1e-6)
+    assert eviction_bound_j(priced, budget, runtime, second_restorations=True) == pytest.approx(0.91853, rel=1e-6)
+
+
 def test_a_solve_not_proven_by_the_first_bound_tries_second_restorations():
     priced, budget = _block_at_its_floor()
     phases = []
@@ -113,7 +145,8 @@ def test_a_solve_not_proven_by_the_first_bound_tries_second_restorations():
 
 def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no_higher():
     """hf_bert at 50% on m4: both covering problems prove 0.081838 J, with different evictions. The greedy from the
-    first's stops 1.08% above the bound (0.082735 J); from the second's it meets the bound, which proves it."""
+    first's stops 1.08% above the bound (0.082735 J); from the second's 0.09% above it (0.081915 J), within the
+    default gap (0.1%), which proves it optimal."""
     from host.costs.pricing import price_graph
     from host.run.sources import ModelSource, load_platform
 
@@ -126,8 +159,9 @@ def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, time_limit_s=60))
     rows = {row.name: row for row in result.baselines}
     assert rows[GREEDY_FROM_COVER].energy_j > first.bound_j * 1.005
-    assert rows[GREEDY_FROM_STRONGER_COVER].energy_j == pytest.approx(second.bound_j, rel=1e-6)
-    assert result.status == "optimal" and result.objective_j == pytest.approx(second.bound_j, rel=1e-6)
+    stronger_greedy_j = rows[GREEDY_FROM_STRONGER_COVER].energy_j
+    assert stronger_greedy_j < rows[GREEDY_FROM_COVER].energy_j and stronger_greedy_j <= second.bound_j / (1 - 1e-3)
+    assert result.status == "optimal" and result.objective_j == pytest.approx(stronger_greedy_j, rel=1e-9)
     assert result.model_columns == 0, "the MILP was built although the bound already proved a baseline"
 
 
