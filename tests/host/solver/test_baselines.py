@@ -103,11 +103,13 @@ def test_the_paper_formulation_runs_without_baselines():
 
 def test_a_greedy_not_proven_optimal_is_improved_by_ejection_moves_and_offered():
     """Random graph 25 of 40 nodes at 40%, at a gap no greedy meets: the solve runs ejection moves from the cheapest
-    greedy, lists the cheaper plan as a baseline of its own, and answers with no more than it."""
+    greedy, lists the cheaper plan as a baseline of its own, and answers with no more than it. The second covering
+    problem runs until 75% of the limit here, so the limit leaves the moves seconds after it and its greedy (at 8 s,
+    under a loaded machine's CI, they found nothing in what was left)."""
     priced = price_simply(random_training_graph(25, 40))
     budget = max(minimum_ram_bytes(priced) * 1.05, 0.4 * no_remat_peak_bytes(priced))
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=10, mip_gap=1e-6,
-                                                 time_limit_s=8))
+                                                 time_limit_s=20))
     rows = {r.name: r for r in result.baselines}
     ejected = rows[EJECTION_SEARCH]
     assert ejected.feasible and ejected.peak_ram_bytes <= budget
