@@ -186,6 +186,7 @@ def test_train_compile_with_plain_is_refused(capfd):
     assert "--compile" in err and "torch.compile" in err
 
 
+@pytest.mark.slow  # four `poet` processes, each tracing resnet18_cifar
 def test_a_schedule_solved_at_block_depth_two_trains_at_that_depth(tmp_path):
     """The real `poet` script: `--granularity block:2` gives nodes between block and layer; the schedule solved
     there trains at that granularity exactly as planned, and at another granularity it is refused."""

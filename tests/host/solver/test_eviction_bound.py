@@ -95,6 +95,7 @@ def test_a_live_input_read_by_a_recomputation_between_two_absences_is_restored_t
     assert twice <= optimum.objective_j * (1 + RTOL)
 
 
+@pytest.mark.slow  # six MILPs solved to optimality
 @pytest.mark.parametrize("seed", range(6))
 def test_the_bound_never_exceeds_the_proven_optimum_on_an_inverted_residual_block(seed):
     """MobileNetV2's block: a live tensor (the expand convolution's output) read by the recomputation of another
