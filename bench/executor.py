@@ -481,6 +481,7 @@ class _Method:
     def __init__(self, config: dict, method: dict, meter) -> None:
         from device_agent.executor import ScheduleExecutor, plain_train_step
         from device_agent.serde import read_schedule_file
+        from host.graph.granularity import parse_granularity
         from host.graph.partition import partition_from_traced
         from host.graph.trace import trace_model
         from host.graph.zoo import get_model_spec
@@ -497,7 +498,7 @@ class _Method:
         if self.kind == "poet":
             traced = trace_model(bundle, granularity=method.get("granularity", "layer"),
                                  block_depth=method.get("block_depth", 1))
-            self.granularity = _granularity_text((traced.granularity, traced.graph.meta.get("block_depth", 1)))
+            self.granularity = _granularity_text(parse_granularity(traced.granularity))
             self.executor = ScheduleExecutor(partition_from_traced(traced), read_schedule_file(method["schedule"]),
                                              flash_dir=config["flash_dir"], energy_meter=meter,
                                              inductor=method.get("inductor", False))

@@ -20,9 +20,7 @@ GRANULARITY_HELP = ("how traced ops are grouped into schedulable nodes: layer, b
 def parse_granularity(text: str) -> tuple[str, int]:
     """(kind, block depth) of ``text``: layer, op, block (= block:1) or block:N with N >= 1; ValueError otherwise."""
     kind, colon, depth = str(text).partition(":")
-    if kind in ("layer", "op") and not colon:
-        return kind, 1
-    if kind == "block" and not colon:
+    if kind in GRANULARITIES and not colon:
         return kind, 1
     if kind == "block" and depth.isdigit() and int(depth) >= 1:
         return kind, int(depth)

@@ -58,7 +58,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-
 # ----------------------------------------------------------------------------- result types
 @dataclass
 class TracedModel:

@@ -222,15 +222,19 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
     live_sets = {stage: set(live[stage]) for stage in binding}
     rules: list[tuple[int, int, int, int, int]] = []  # (t, x, d, w, d's next use after t)
     windows: dict[tuple[int, int, int], list[int]] = {}  # (d, w, next use) -> the binding stages of [w, next use)
+
+    def window_of(d: int, by: int, next_use: int) -> list[int]:
+        if (d, by, next_use) not in windows:
+            windows[d, by, next_use] = [later for later in range(by, next_use) if later in binding_set]
+        return windows[d, by, next_use]
+
     for stage in binding if second_restorations else []:
         for x, by in chain_of(stage).items():
             for d in dict.fromkeys(graph.nodes[x].deps):
                 if d not in live_sets[stage]:
                     continue
                 next_use = uses[d][int(np.searchsorted(uses[d], stage))]
-                if (d, by, next_use) not in windows:
-                    windows[d, by, next_use] = [later for later in range(by, next_use) if later in binding_set]
-                if windows[d, by, next_use]:
+                if window_of(d, by, next_use):
                     rules.append((stage, x, d, by, next_use))
     # One level deeper: the recomputation of x (live at t, read by y's recomputation after t, by w) runs by w when x
     # is absent at t and restored only by recomputation, and reads x's own input d (live at t). If d is absent at t
@@ -243,9 +247,7 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
             if d not in live_sets[stage] or d in (x, y):
                 continue
             next_use = uses[d][int(np.searchsorted(uses[d], stage))]
-            if (d, by, next_use) not in windows:
-                windows[d, by, next_use] = [later for later in range(by, next_use) if later in binding_set]
-            if windows[d, by, next_use]:
+            if window_of(d, by, next_use):
                 deeper.append((stage, y, x, d, by, next_use))
     second: dict[tuple[int, int], list[int]] = {}  # (tensor, gap) -> the columns of a second restoration
     doubled = [(stage, d, by, next_use) for stage, _, d, by, next_use in rules]
