@@ -33,7 +33,9 @@ Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profil
       "op_overhead_s": {"fwd": ..., "bwd": ...},    # seconds per aten op a node runs (dispatch)
       "memory_bytes_per_s": {"fwd": ..., "bwd": ...}  # a node's output + input bytes at this rate
     },
-    "step": {"optimizer_bytes_per_s": ..., "instruction_overhead_s": ..., "step_overhead_s": ...,
+    "step": {"optimizer_bytes_per_s": ..., "optimizer_overhead_s": ...,  # an optimizer step: a fixed cost,
+             "optimizer_tensor_overhead_s": ...,    # one per parameter tensor (its Python loop), the bytes
+             "instruction_overhead_s": ..., "step_overhead_s": ...,
              "free_ram_s": ..., "free_flash_s": ...,
              "transfer_overlap": ...},                # share of a page transfer's time hidden behind compute,
                                                     # 0 to 1 (absent: 1, an I/O thread with a core of its own)
@@ -100,6 +102,8 @@ class PlatformProfile:
     fwd_memory_bytes_per_s: float | None = None  # a fwd/loss compute's output and input bytes move at this rate
     bwd_memory_bytes_per_s: float | None = None  # the same for a bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
+    optimizer_overhead_s: float = 0.0  # fixed seconds per optimizer step
+    optimizer_tensor_overhead_s: float = 0.0  # seconds per trainable parameter tensor per optimizer step
     instruction_overhead_s: float = 0.0  # executor seconds per instruction outside computes and transfers
     step_overhead_s: float = 0.0  # executor seconds per step outside instructions and the optimizer
     free_ram_s: float = 0.0  # seconds to drop a tensor from RAM
@@ -122,6 +126,14 @@ class PlatformProfile:
         if direction == "bwd":
             return self.bwd_node_overhead_s + op_count * self.bwd_op_overhead_s + class_s
         return self.fwd_node_overhead_s + op_count * self.fwd_op_overhead_s + class_s
+
+    def optimizer_step_s(self, param_bytes: int, param_tensors: int) -> float:
+        """Seconds of one optimizer step over ``param_tensors`` trainable tensors of ``param_bytes`` in all: a fixed
+        cost, one per tensor (the optimizer's loop over them) and the bytes at its throughput (0 where unpriced)."""
+        seconds = self.optimizer_overhead_s + param_tensors * self.optimizer_tensor_overhead_s
+        if self.optimizer_bytes_per_s:
+            seconds += param_bytes / self.optimizer_bytes_per_s
+        return seconds
 
     def memory_bytes_per_s_for(self, kind: str) -> float | None:
         """Rate at which a ``kind`` node's tensors move through memory; None: not priced."""
@@ -148,7 +160,7 @@ class PlatformProfile:
         step = {}
         if self.optimizer_bytes_per_s is not None:
             step["optimizer_bytes_per_s"] = self.optimizer_bytes_per_s
-        for key in ("instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s"):
+        for key in _STEP_SECONDS_KEYS:
             if getattr(self, key):
                 step[key] = getattr(self, key)
         if self.transfer_overlap != 1.0:
@@ -201,9 +213,9 @@ _TOP_KEYS = (
 )
 _COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s",
                  "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s")
-_STEP_KEYS = ("optimizer_bytes_per_s", "instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s",
-              "transfer_overlap")
-_STEP_SECONDS_KEYS = ("instruction_overhead_s", "step_overhead_s", "free_ram_s", "free_flash_s")
+_STEP_SECONDS_KEYS = ("optimizer_overhead_s", "optimizer_tensor_overhead_s", "instruction_overhead_s", "step_overhead_s",
+                      "free_ram_s", "free_flash_s")
+_STEP_KEYS = ("optimizer_bytes_per_s", *_STEP_SECONDS_KEYS, "transfer_overlap")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
 _EXPECTED = {  # what a required field must hold, for error messages
     "schema_version": f"the integer {SCHEMA_VERSION}",

@@ -16,7 +16,7 @@ from host.graph.training_graph import GraphBuilder
 from host.solver.stage_plan import make_schedule
 
 
-def _graph():
+def _graph(param_bytes: int = 800_000, param_tensors: int = 8):
     """A chain of matmul + activation layers of varied sizes and op counts: enough distinct nodes that every
     term of the fitted model (per node, per op, per byte, per FLOP of each class) is identifiable."""
     b = GraphBuilder("chain")
@@ -36,7 +36,8 @@ def _graph():
         b.add(f"bwd:fc{i}", "bwd", 8_000 if i == 0 else layers[i - 1][0], 2 * flops,
               [f"bwd:act{i}", "input" if i == 0 else f"act{i - 1}"], "matmul", forward_of=f"fc{i}", op_count=ops)
         upstream = f"bwd:fc{i}"
-    return b.build(param_bytes=800_000, param_grad_bytes=800_000, optimizer_state_bytes=0, other_fixed_bytes=0)
+    return b.build(param_bytes=param_bytes, param_grad_bytes=param_bytes, optimizer_state_bytes=0, other_fixed_bytes=0,
+                   param_tensors=param_tensors)
 
 
 def _true_profile() -> PlatformProfile:
@@ -49,7 +50,8 @@ def _true_profile() -> PlatformProfile:
         class_node_overhead_s={"fwd": {"matmul": 1e-4}, "bwd": {"elementwise": 5e-5}},  # a kernel's set-up
         fwd_memory_bytes_per_s=5e9, bwd_memory_bytes_per_s=3e9, page_out_latency_s=3e-3,
         page_out_throughput_bytes_per_s=5e7, page_in_latency_s=1e-3, page_in_throughput_bytes_per_s=2e8,
-        optimizer_bytes_per_s=4e8, instruction_overhead_s=5e-5, energy_per_flop_j=None,
+        optimizer_bytes_per_s=4e8, optimizer_overhead_s=1e-4, optimizer_tensor_overhead_s=2e-5,
+        instruction_overhead_s=5e-5, energy_per_flop_j=None,
     )
 
 
@@ -112,7 +114,7 @@ def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict 
             instructions.append({"step": step, "position": position, "kind": f"INSTRUCTION_KIND_{ins.kind.upper()}",
                                  "node": ins.node, "node_name": graph.nodes[ins.node].name, "duration_s": duration,
                                  "bytes_moved": graph.nodes[ins.node].output_bytes, "cpu_s": duration})
-        optimizer_s = graph.param_bytes / truth.optimizer_bytes_per_s
+        optimizer_s = truth.optimizer_step_s(graph.param_bytes, graph.param_tensors)
         total += optimizer_s
         if paging:  # transfers behind compute, as the lowered step runs them
             total += overlapped_s - (compute + paging)
@@ -142,13 +144,53 @@ def test_the_fit_recovers_a_board_that_the_papers_model_cannot_describe():
     assert set(fitted.class_node_overhead_s["fwd"]) == {"matmul"}  # the others cost the direction's overhead
     assert fitted.fwd_op_overhead_s == pytest.approx(3e-5, rel=1e-3)
     assert fitted.bwd_memory_bytes_per_s == pytest.approx(3e9, rel=1e-3)
-    assert fitted.optimizer_bytes_per_s == pytest.approx(4e8, rel=1e-6)
+    # one model: its optimizer steps cost what the truth's do, however the fit splits them among its terms
+    assert fitted.optimizer_step_s(graph.param_bytes, graph.param_tensors) == pytest.approx(
+        truth.optimizer_step_s(graph.param_bytes, graph.param_tensors), rel=1e-6)
     assert fitted.instruction_overhead_s == pytest.approx(5e-5, rel=1e-3)  # the class overheads' weak shrink moves the computes by ~1e-4
     assert "test" in fitted.sources["compute.bwd_flops_per_s.matmul"]
     # the fitted profile is a valid profile file, and it round-trips
     again = PlatformProfile.from_dict(json.loads(json.dumps(fitted.to_dict())))
     assert again.to_dict() == fitted.to_dict()
     assert energy_mape(fitted, runs) is None  # nothing was metered
+
+
+def _optimizer_runs(truth: PlatformProfile, models: list[tuple[int, int]]) -> list[CalibrationRun]:
+    """Keep-all runs of the chain with each (parameter bytes, parameter tensors), the board behaving as ``truth``."""
+    runs = []
+    for param_bytes, param_tensors in models:
+        graph = _graph(param_bytes, param_tensors)
+        runs.append(_telemetry(graph, _schedules(graph)[0], truth, steps=6))
+    return runs
+
+
+def test_the_optimizer_step_is_fitted_per_tensor_where_a_small_model_spends_it_in_the_loop_over_its_tensors():
+    """Measured on a board: mlp's 6 tensors (104 KB) 0.18 ms, resnet18_cifar's 47 (701 KB) 0.80 ms, a 7-tensor CNN
+    (6 KB) 0.24-0.31 ms, which a throughput over bytes alone priced at 0.01 ms. Fitted on two models that cost a
+    fixed step and a loop over their tensors, the third is predicted as it runs."""
+    truth = dataclasses.replace(_true_profile(), optimizer_bytes_per_s=None, optimizer_overhead_s=9e-5,
+                                optimizer_tensor_overhead_s=1.5e-5)
+    fitted = fit_profile(load_profile("a72"), _optimizer_runs(truth, [(104_488, 6), (701_032, 47)]), note="test")
+    assert fitted.optimizer_overhead_s == pytest.approx(9e-5, rel=1e-2)
+    assert fitted.optimizer_tensor_overhead_s == pytest.approx(1.5e-5, rel=1e-2)
+    unseen = fitted.optimizer_step_s(6_280, 7)
+    assert unseen == pytest.approx(truth.optimizer_step_s(6_280, 7), rel=2e-2)
+    assert "test" in fitted.sources["step.optimizer_tensor_overhead_s"]
+    again = PlatformProfile.from_dict(json.loads(json.dumps(fitted.to_dict())))
+    assert again.optimizer_step_s(6_280, 7) == unseen
+
+
+def test_an_optimizer_step_that_scales_with_bytes_keeps_its_throughput():
+    """Where the runs tell bytes from tensors (three models, bytes not in step with tensors), a board whose optimizer
+    step is bandwidth-bound is fitted as one: the throughput's weak shrink does not hand its time to the tensors."""
+    truth = dataclasses.replace(_true_profile(), optimizer_bytes_per_s=4e8, optimizer_overhead_s=0.0,
+                                optimizer_tensor_overhead_s=0.0)
+    models = [(100_000, 40), (4_000_000, 10), (20_000_000, 60)]
+    fitted = fit_profile(load_profile("a72"), _optimizer_runs(truth, models), note="test")
+    assert fitted.optimizer_bytes_per_s == pytest.approx(4e8, rel=2e-2)
+    for param_bytes, tensors in [(50_000_000, 100), (10_000, 3)]:
+        assert fitted.optimizer_step_s(param_bytes, tensors) == pytest.approx(truth.optimizer_step_s(param_bytes, tensors),
+                                                                              rel=5e-2, abs=1e-5)
 
 
 @pytest.mark.parametrize("share", [0.3, 1.0])
