@@ -14,7 +14,7 @@ graph. Any op whose binding resolves elsewhere (another overload, a decompositio
 through its ``OpOverload``, as the graph does.
 
 The generated function frees each value after its last use, as fx's own code does, so a node's peak memory is
-unchanged.
+unchanged; called boxed (one list of arguments, emptied on entry), it frees its arguments at their last use too.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ _PLAIN = (int, float, bool, str, type(None))
 _BINDING_CACHE: dict[tuple, Callable | None] = {}
 
 
-def compile_graph(gm: GraphModule, name: str = "graph") -> Callable:
-    """``gm``'s forward as a function of its placeholders, with checked bindings (see the module docstring)."""
+def compile_graph(gm: GraphModule, name: str = "graph", *, boxed: bool = False) -> Callable:
+    """``gm``'s forward as a function of its placeholders, with checked bindings (see the module docstring).
+
+    ``boxed``: the function takes one list of the placeholders' values and empties it, so that a value the caller
+    no longer holds is freed at its last use inside the function (a block's backward then releases each layer's
+    saved tensors as that layer's gradient is done, as eager autograd does), not when the function returns."""
     namespace: dict[str, Any] = {}
     constants: dict[int, str] = {}
 
@@ -92,6 +96,11 @@ def compile_graph(gm: GraphModule, name: str = "graph") -> Callable:
             freed.append(local[node])
         if freed:
             lines.append(f"del {', '.join(freed)}")
+    if boxed:
+        unused = [local[node] for node in nodes if node.op == "placeholder" and not node.users]
+        lines[:0] = [f"{', '.join(params)}{',' if len(params) == 1 else ''} = args" if params else "pass",
+                     "args.clear()"] + ([f"del {', '.join(unused)}"] if unused else [])
+        params = ["args"]
     source = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in lines)
     exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - generated here from the graph
     function = namespace[name]

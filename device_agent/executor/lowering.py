@@ -245,7 +245,9 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
             body(f"_rt.start_page_in({page_in}, {ops[page_in].node})  # prefetch")
         body(f"# {position}: {op.kind} {node.name!r}" + (" (recompute)" if op.recompute else ""))
         if op.kind == "compute" and node.kind == "bwd":
-            _lower_backward(src, partition, ops, position, functions, notes, out_slot, grad_slot, keep_alive)
+            released = _released_with_backward(ops, position, node.forward_index, writing, writes_after)
+            _lower_backward(src, partition, ops, position, functions, notes, out_slot, grad_slot, keep_alive,
+                            own_in_entry if released else None)
         elif op.kind == "compute":
             _lower_forward(src, partition, op, position, functions, notes, out_slot, own_in_entry, keep_alive)
         elif op.kind == "page_out":
@@ -380,8 +382,26 @@ def _lower_forward(src: _Source, partition: Partition, op: PlannedOp, position: 
     body("del r")
 
 
+def _released_with_backward(ops: list[PlannedOp], position: int, forward: int, writing: set[int],
+                            writes_after: dict[int, list[int]]) -> bool:
+    """Whether the backward at ``position`` of forward node ``forward`` may release that node's own saved tensors
+    inside its call: it is not retained, and the schedule's next instruction on the node frees its RAM entry, with
+    no page-out of it in flight or started before then."""
+    if ops[position].retain or forward in writing:
+        return False
+    for later in range(position, len(ops)):
+        if any(ops[page_out].node == forward for page_out in writes_after.get(later, ())):
+            return False
+        if later > position and ops[later].node == forward:
+            return ops[later].kind == "free" and ops[later].location == "ram"
+    return False
+
+
 def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], position: int, functions, notes,
-                    out_slot, grad_slot, keep_alive) -> None:
+                    out_slot, grad_slot, keep_alive, own_in_entry: dict[int, list[int]] | None) -> None:
+    """A backward compute. Its arguments go to the function in one list it empties (``call_backward_boxed``); the
+    gradients, and with ``own_in_entry`` given (:func:`_released_with_backward`) the forward node's own and kept
+    saved tensors, are no longer held by the step's locals, so the function frees each at its last use."""
     body = src.line
     op = ops[position]
     b = op.node
@@ -415,10 +435,16 @@ def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], po
         body(f"if {g}.stride() != {stride!r}: {g} = torch.empty_strided({tuple(shape)!r}, {stride!r}, "
              f"dtype={src.const(dtype, 'dtype')}).copy_({g})")
         grads.append(g)
-    call = f"R = {src.const(function.call_backward, 'bwd')}({_tuple(saved)}{_tuple(grads)})"
-    body(call)
-    if grads:
-        body(f"del {', '.join(grads)}")
+    body(f"a = [{_tuple(saved)}{_tuple(grads)}]")
+    dropped = list(grads)
+    if not op.retain:  # the record's kept tensors go with this backward
+        dropped += keep_alive.pop(n, [])
+    if own_in_entry is not None:  # released: the free that follows has nothing of them left to drop
+        dropped += [f"s{n}_{k}" for k in own_in_entry.pop(n, [])]
+    if dropped:
+        body(f"del {', '.join(dropped)}")
+    body(f"R = {src.const(function.call_backward_boxed, 'bwd')}(a)")
+    body("del a")
     returned = _returned_none(function.backward)
     offset = len(function.arguments)
     for name in program.grad_input_values:
@@ -435,10 +461,6 @@ def _lower_backward(src: _Source, partition: Partition, ops: list[PlannedOp], po
             if not returned[i] and shared[i] is not None:
                 body(f"_acc({src.const(param, 'param')}, R[{i}], shared={shared[i]})")
     body("del R")
-    if not op.retain:
-        keep = keep_alive.pop(n, [])
-        if keep:
-            body(f"del {', '.join(keep)}")
 
 
 def _producer_view(src: _Source, partition: Partition, notes: LoweringNotes, producer: int, view: TensorView,

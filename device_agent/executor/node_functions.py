@@ -59,6 +59,9 @@ class NodeFunctions:
     # device_agent.executor.aten_calls): what the step runs; the GraphModules stay the exportable record
     call_forward: Callable = field(init=False, repr=False, compare=False)
     call_backward: Callable | None = field(init=False, repr=False, compare=False)
+    # ``call_backward`` taking one list of its arguments, which it empties: each argument the caller holds nowhere
+    # else is freed at its last use (the lowered step's call; see device_agent.executor.aten_calls.compile_graph)
+    call_backward_boxed: Callable | None = field(init=False, repr=False, compare=False)
     # inductor: both functions run inductor's fused kernels instead, compiled at their first call (``poet train
     # --compile``, not bitwise eager: see device_agent.executor.inductor); ``log`` hears of a graph it cannot compile
     inductor: bool = field(default=False, compare=False)
@@ -68,17 +71,29 @@ class NodeFunctions:
     def __post_init__(self) -> None:
         forward = compile_graph(self.forward, "node_forward")
         backward = compile_graph(self.backward, "node_backward") if self.backward is not None else None
+        boxed = compile_graph(self.backward, "node_backward", boxed=True) if self.backward is not None else None
         if self.inductor:
             forward = InductorFunction(self.forward, forward, f"{self.name!r}'s forward", self.log)
             if backward is not None:
                 backward = InductorFunction(self.backward, backward, f"{self.name!r}'s backward", self.log)
+                boxed = _unboxing(backward)
         object.__setattr__(self, "call_forward", forward)
         object.__setattr__(self, "call_backward", backward)
+        object.__setattr__(self, "call_backward_boxed", boxed)
 
     @property
     def arguments(self) -> tuple[torch.Tensor, ...]:
         """The forward's leading arguments (before the node's inputs)."""
         return (*self.params, *self.buffers, *self.constants)
+
+
+def _unboxing(function: Callable) -> Callable:
+    """``function`` called with one list of its arguments, which is emptied (the arguments live until it returns)."""
+    def boxed(args: list):
+        arguments = tuple(args)
+        args.clear()
+        return function(*arguments)
+    return boxed
 
 
 def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],

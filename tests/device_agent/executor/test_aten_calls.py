@@ -51,3 +51,33 @@ def test_every_value_is_freed_after_its_last_use():
     lines = [line.strip() for line in compile_graph(gm).source.splitlines()[1:]]
     # inputs die once the product is made, the product once relu has read it: a node's peak is fx's own
     assert lines == ["v2 = _f0(v0, v1)", "del v0, v1", "v3 = _f1(v2)", "del v2", "return (v3, )"]
+
+
+def test_a_boxed_function_frees_an_argument_the_caller_no_longer_holds_at_its_last_use():
+    """Called with one list, the function empties it: an argument nobody else holds is freed once read for the last
+    time, before the function returns (unboxed, the caller's arguments live until it returns)."""
+    import weakref
+
+    seen_alive: list[bool] = []
+
+    def probe(y: torch.Tensor) -> torch.Tensor:  # runs after x's last use
+        seen_alive.append(x_ref() is not None)
+        return y
+
+    graph = Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    negated = graph.call_function(aten.neg.default, (x,))
+    graph.output((negated, graph.call_function(probe, (y,))))
+    gm = GraphModule(torch.nn.Module(), graph)
+    for boxed in (True, False):
+        function = compile_graph(gm, boxed=boxed)
+        arguments = [torch.randn(3), torch.randn(3)]
+        x_ref = weakref.ref(arguments[0])
+        expected = -arguments[0]
+        result = function(arguments) if boxed else function(*arguments)
+        if boxed:
+            assert arguments == []
+        else:
+            arguments.clear()
+        assert torch.equal(result[0], expected)
+    assert seen_alive == [False, True]

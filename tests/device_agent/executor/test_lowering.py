@@ -190,3 +190,59 @@ def test_paging_overlapped_with_compute_trains_as_paging_in_place(tmp_path):
     assert max(e.ram_in_use_bytes for e in lowered) <= budget
     assert overlapped[1].peak_tracked_bytes <= budget
     assert overlapped[1].summary.paging_s > 0 and overlapped[1].counters.bytes_paged_in > 0
+
+
+class _Deep(torch.nn.Module):
+    """A block of six layers and a head: the block's backward reads the 256 KB activations it saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                        torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU())
+        self.head = torch.nn.Linear(1024, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _lowered_step_peak_bytes(monkeypatch, release: bool) -> int:
+    """Peak bytes torch's allocator held during a lowered keep-all step of ``_Deep`` at block granularity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from device_agent.executor import lowering
+    from host.costs import load_profile, price_graph
+    from host.graph.partition import partition_from_traced
+    from host.graph.trace import trace_model
+    from host.graph.zoo import ModelBundle
+    from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+    if not release:
+        monkeypatch.setattr(lowering, "_released_with_backward", lambda *args: False)
+    torch.manual_seed(0)
+    bundle = ModelBundle("deep", _Deep(), (torch.randn(64, 64),), torch.randint(0, 10, (64,)),
+                         torch.nn.functional.cross_entropy)
+    traced = trace_model(bundle, granularity="block")
+    priced = price_graph(traced.graph, load_profile("a72"))
+    schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
+    optimizer = torch.optim.SGD(bundle.module.parameters(), lr=0.01)
+    with ScheduleExecutor(partition_from_traced(traced), schedule) as executor:
+        for _ in range(2):  # the first step captures, the second is lowered
+            executor.train_step(bundle.inputs, bundle.labels, optimizer)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as run:
+            assert executor.train_step(bundle.inputs, bundle.labels, optimizer).lowered
+    held = peak = 0
+    for delta in sorted((e.start_ns(), e.nbytes()) for e in run.profiler.kineto_results.events()
+                        if e.name() == "[memory]"):
+        held += delta[1]
+        peak = max(peak, held)
+    return peak
+
+
+def test_a_lowered_backward_frees_each_saved_activation_of_its_block_at_its_last_use(monkeypatch):
+    """A block's backward gets its saved tensors in a list it empties, and the step's locals drop them first: the
+    last layers' activations are gone before the first layers' gradients are made, as in eager autograd. Held
+    until the backward returns, the step peaks higher by one of them (measured: 266 KB more, 10.0 MB against 9.7)."""
+    released = _lowered_step_peak_bytes(monkeypatch, release=True)
+    monkeypatch.undo()
+    held = _lowered_step_peak_bytes(monkeypatch, release=False)
+    assert held - released >= 200 * 1024, (held, released)
