@@ -119,8 +119,10 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
                     cover_start: GreedyStart | None = None, enough_j: float | None = None,
-                    deadline: Deadline | None = None) -> list[BaselineResult]:
-    """Every baseline, replayed, until ``deadline`` (the rest are left out of the list).
+                    deadline: Deadline | None = None, until_one_fits: Deadline | None = None) -> list[BaselineResult]:
+    """Every baseline, replayed, until ``deadline`` (the rest are left out of the list); while none fits, until
+    ``until_one_fits`` instead when given (the solve's own deadline: a loaded machine that spends the warm start's
+    share before any baseline fits still gets a schedule, where it had returned none).
 
     With ``cover_start`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
     runs from those evictions instead of keeping everything, and is priced as a baseline of its own; when
@@ -128,23 +130,28 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
     """
-    deadline = deadline or Deadline.none()
     results: list[BaselineResult] = []
     seen: set[bytes] = set()
+
+    def current() -> Deadline:
+        if until_one_fits is None or any(result.feasible for result in results):
+            return deadline or Deadline.none()
+        return until_one_fits
+
     for name, plan in _plans(priced, ram_budget_bytes, remat, paging):
-        if deadline.expired():
+        if current().expired():
             break
         if plan is _GREEDY_TURN:
             if greedy:
                 # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
                 if cover_start is not None:
                     results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
-                                       paging_in_runtime, deadline, cover_start, GREEDY_FROM_COVER)
+                                       paging_in_runtime, current(), cover_start, GREEDY_FROM_COVER)
                     if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
                         continue
-                if not deadline.expired():
+                if not current().expired():
                     results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
-                                       paging_in_runtime, deadline)
+                                       paging_in_runtime, current())
             continue
         if isinstance(plan, BaselineDoesNotFitError):
             results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))

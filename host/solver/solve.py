@@ -217,7 +217,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
                                         paging=options.paging, paging_in_runtime=options.paging_in_runtime,
                                         cover_start=cover_start, enough_j=proven_optimal_below_j,
-                                        deadline=warm_deadline)
+                                        deadline=warm_deadline,
+                                        until_one_fits=Deadline(None if options.time_limit_s is None else
+                                                                options.time_limit_s - reserve_s, started))
             offers = cheapest_feasible(baselines)
             # Not proven yet, and the first covering problem closed: the one with second restorations.
             if (offers and cover is not None and cover.closed and options.remat

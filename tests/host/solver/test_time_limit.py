@@ -8,7 +8,7 @@ from torch import nn
 
 from host.costs import load_profile, price_graph
 from host.run.sources import ModelSource
-from host.solver.baseline_pricing import cheapest_feasible
+from host.solver.baseline_pricing import cheapest_feasible, price_baselines
 from host.solver.deadline import Deadline, DeadlineExpired
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
 from host.solver.policy_search import greedy_policy_plan
@@ -64,6 +64,20 @@ def test_every_phase_stops_at_an_expired_deadline():
     assert greedy_policy_plan(priced, budget, None, deadline=expired) is None
     with pytest.raises(DeadlineExpired, match="building the model"):
         PoetFormulation(priced, FormulationOptions(budget, None), expired)
+
+
+def test_the_warm_start_goes_on_past_its_share_until_a_baseline_fits():
+    """A loaded machine can spend the warm start's share of the limit before any baseline fits (a 5 s solve of a
+    405-node MLP returned no schedule on a busy CI machine): until one fits, the solve's own deadline is checked,
+    then the warm start's again."""
+    priced = price_simply(random_training_graph(11, 9))
+    budget = max(minimum_ram_bytes(priced) * 1.2, 0.6 * no_remat_peak_bytes(priced))
+    runtime_s = 2 * priced.base_runtime_s
+    expired = Deadline(0.0)
+    assert price_baselines(priced, budget, runtime_s, deadline=expired) == []
+    found = price_baselines(priced, budget, runtime_s, deadline=expired, until_one_fits=Deadline(None))
+    assert [r.feasible for r in found].count(True) == 1 and found[-1].feasible  # it stops at the first that fits
+    assert price_baselines(priced, budget, runtime_s, deadline=expired, until_one_fits=expired) == []
 
 
 def test_a_limit_too_short_for_anything_says_so():
