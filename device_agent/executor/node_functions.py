@@ -70,13 +70,16 @@ class NodeFunctions:
 
     def __post_init__(self) -> None:
         forward = compile_graph(self.forward, "node_forward")
-        backward = compile_graph(self.backward, "node_backward") if self.backward is not None else None
-        boxed = compile_graph(self.backward, "node_backward", boxed=True) if self.backward is not None else None
+        backward = boxed = None
         if self.inductor:
             forward = InductorFunction(self.forward, forward, f"{self.name!r}'s forward", self.log)
-            if backward is not None:
-                backward = InductorFunction(self.backward, backward, f"{self.name!r}'s backward", self.log)
+            if self.backward is not None:
+                backward = InductorFunction(self.backward, compile_graph(self.backward, "node_backward"),
+                                            f"{self.name!r}'s backward", self.log)
                 boxed = _unboxing(backward)
+        elif self.backward is not None:  # compiled once, boxed; called unboxed through a list
+            boxed = compile_graph(self.backward, "node_backward", boxed=True)
+            backward = _boxing(boxed)
         object.__setattr__(self, "call_forward", forward)
         object.__setattr__(self, "call_backward", backward)
         object.__setattr__(self, "call_backward_boxed", boxed)
@@ -85,6 +88,13 @@ class NodeFunctions:
     def arguments(self) -> tuple[torch.Tensor, ...]:
         """The forward's leading arguments (before the node's inputs)."""
         return (*self.params, *self.buffers, *self.constants)
+
+
+def _boxing(boxed: Callable) -> Callable:
+    """A boxed function called with positional arguments (they live until it returns, held by the caller)."""
+    def unboxed(*args):
+        return boxed(list(args))
+    return unboxed
 
 
 def _unboxing(function: Callable) -> Callable:
