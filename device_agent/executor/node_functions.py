@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 from device_agent.executor.aten_calls import compile_graph
 from device_agent.executor.errors import ExecutorError
+from device_agent.executor.in_place import write_over_dead_gradients
 from device_agent.executor.inductor import InductorFunction
 from device_agent.executor.partition import NodeProgram
 from device_agent.executor.split import draws_random
@@ -180,6 +181,8 @@ def capture_node_functions(program: NodeProgram, inputs: Sequence[torch.Tensor],
     backward = graphs.get("backward") if differentiable else None
     if backward is not None:
         _drop_dead_ops(backward)
+        if not inductor:  # inductor plans its own buffers (and fuses a cross-entropy's backward into one kernel)
+            write_over_dead_gradients(backward)
     if backward is not None and draws_random(backward):
         # the partitioner moved a random op into the backward: it would draw again, not replay the forward's mask
         raise NodeCaptureError(f"{program.name!r}: the split puts a random op in the backward, which would draw "

@@ -23,6 +23,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
+from device_agent.executor.in_place import InPlaceBackward
 from device_agent.executor.ram_store import storage_key
 from host.graph.export import TraceError
 from host.graph.flops import flop_counter
@@ -262,7 +263,8 @@ def measure_backward(
     if not differentiable or not (leaves or params):
         return None
     grad_outputs = [torch.ones_like(t) for t in differentiable]
-    with flop_counter() as counter, region(f"bwd:{group.index}"):
+    # eager autograd writing over dead gradients as the executor's backward functions do (its accounting)
+    with flop_counter() as counter, region(f"bwd:{group.index}"), InPlaceBackward():
         grads = torch.autograd.grad(
             differentiable,
             [leaf for _, leaf in leaves] + params,

@@ -1,0 +1,102 @@
+"""A cross-entropy's backward writes the logits' gradient over the log-probabilities' gradient, in the executor's
+backward functions and in eager autograd under InPlaceBackward (what the trace measures), and only where that
+gradient is the loss backward's own fresh tensor; the values are bitwise those of the allocating kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from device_agent.executor.in_place import InPlaceBackward, write_over_dead_gradients
+from device_agent.executor.node_functions import capture_node_functions
+from device_agent.executor.partition import NodeProgram
+
+_LSB = torch.ops.aten._log_softmax_backward_data
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _smoothed(logits, labels):
+    return F.cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+def _eager_ops(loss_fn) -> tuple[list, torch.Tensor]:
+    """The ops eager autograd runs for ``loss_fn``'s backward under InPlaceBackward, and the logits' gradient."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    loss = loss_fn(logits, labels)
+    with _Record() as record, InPlaceBackward():  # InPlaceBackward sees each op first, then passes it on
+        (gradient,) = torch.autograd.grad(loss, [logits])
+    return record.ops, gradient
+
+
+@pytest.mark.parametrize("loss_fn", [F.cross_entropy, _smoothed], ids=["cross_entropy", "label_smoothing"])
+def test_eager_autograd_writes_over_the_loss_gradient_only_where_it_is_fresh_and_bitwise(loss_fn):
+    ops, gradient = _eager_ops(loss_fn)
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    (expected,) = torch.autograd.grad(loss_fn(logits, labels), [logits])
+    assert torch.equal(gradient, expected)
+    written_over = _LSB.out in ops
+    assert written_over == (loss_fn is F.cross_entropy)  # a summed gradient is not the nll backward's own tensor
+    assert (_LSB.default in ops) == (not written_over)
+
+
+def _loss_program(loss_fn) -> NodeProgram:
+    gm = torch.fx.symbolic_trace(_Loss(loss_fn))
+    return NodeProgram(1, "loss", "loss", gm, ("logits", "labels"), ("loss",), bwd_index=2,
+                       grad_input_values=("logits",))
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, loss_fn) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, logits, labels):
+        return (self.loss_fn(logits, labels),)
+
+
+@pytest.mark.parametrize("loss_fn", [F.cross_entropy, _smoothed], ids=["cross_entropy", "label_smoothing"])
+def test_the_executor_s_loss_backward_is_written_over_as_eager_measures_it(loss_fn):
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    functions = capture_node_functions(_loss_program(loss_fn), [logits, labels])
+    targets = [n.target for n in functions.backward.graph.nodes if n.op == "call_function"]
+    eager_ops, expected = _eager_ops(loss_fn)
+    assert (_LSB.out in targets) == (_LSB.out in eager_ops) == (loss_fn is F.cross_entropy)
+    outputs = functions.call_forward(*functions.arguments, logits, labels)
+    saved = outputs[functions.output_count + len(functions.buffers):]
+    (gradient, *_rest) = functions.call_backward(*saved, torch.ones(()))
+    assert torch.equal(gradient, expected)
+
+
+def _nll_then_log_softmax_backward(return_nll_gradient: bool) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    grad_out, log_probs, labels, weight = (graph.placeholder(name) for name in ("g", "lp", "labels", "total"))
+    nll = graph.call_function(torch.ops.aten.nll_loss_backward.default,
+                              (grad_out, log_probs, labels, None, 1, -100, weight))
+    logits_grad = graph.call_function(_LSB.default, (nll, log_probs, 1, torch.float32))
+    graph.output((logits_grad, nll) if return_nll_gradient else (logits_grad,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    for node in gm.graph.nodes:  # the traced values the rule checks the layout on
+        if node.op == "call_function":
+            node.meta["val"] = torch.empty(8, 10, device="meta")
+    return gm
+
+
+@pytest.mark.parametrize("return_nll_gradient", [False, True], ids=["read_once", "read_again"])
+def test_a_gradient_read_again_is_not_written_over(return_nll_gradient):
+    """The rule needs the gradient to be read by the log-softmax backward alone."""
+    gm = _nll_then_log_softmax_backward(return_nll_gradient)
+    assert write_over_dead_gradients(gm) == (0 if return_nll_gradient else 1)
