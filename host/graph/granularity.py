@@ -2,7 +2,7 @@
 
 - ``layer``: one node per leaf module call, plus top-level ops such as residual adds (the default);
 - ``block``: module paths cut at the top level (``block:1``); ``block:N`` cuts them at depth N, so larger N
-  gives more, smaller nodes (hf_bert: 7 nodes at ``block``, 37 at ``block:5``, 81 at ``layer``);
+  gives more, smaller nodes (hf_bert: 7 nodes at ``block``, 38 at ``block:5``, 82 at ``layer``);
 - ``op``: one node per non-view aten op.
 
 Coarser nodes make fewer calls per training step (the executor bench's part 1: hf_bert 0.92-0.95x plain

@@ -2,7 +2,7 @@
 
 Groups follow ``nn_module_stack`` at the chosen granularity. View ops join their producer's group; ops that
 depend only on constants and buffers (or read a tensor only for its shape, like ``zeros_like``) join their first
-consumer's group; views of parameters, buffers and batch inputs (``x.view(-1, 16)``, ``x.transpose(1, 2)``)
+consumer's group, or, read by several groups (BERT's attention mask), form a node of their own before the first; views of parameters, buffers and batch inputs (``x.view(-1, 16)``, ``x.transpose(1, 2)``)
 own no memory and are replicated into every group that reads them. Groups are
 annotated on the fx nodes (``node.meta[GROUP_META_KEY]``), and :func:`build_group_module` cuts one group out
 of the program as a standalone GraphModule.
@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -51,6 +52,7 @@ class Draft:
     path: str  # module path relative to the user's module
     nodes: list[Node] = field(default_factory=list)  # every node the group runs
     primary: list[Node] = field(default_factory=list)  # the ops that made the group (name it)
+    shared_constant: bool = False  # computed from constants alone and read by several groups
 
 
 def _relative(path: str) -> str | None:
@@ -141,19 +143,29 @@ def assign_groups(
         primaries[-1].primary.append(node)
 
     ordered = [input_draft, *primaries, loss_draft]
-    position = {id(d): i for i, d in enumerate(ordered)}
+    position: dict[int, float] = {id(d): float(i) for i, d in enumerate(ordered)}
     anchors = sorted(
         (order[n], position[id(d)]) for n, d in group_of.items() if n.op != "placeholder" and d is not input_draft
     )
+    drafts = {id(d): d for d in ordered}
     for node in reversed(deferred):
-        users = [position[id(group_of[u])] for u in node.users if u in group_of]
-        if users:
-            owner = min(users)
+        owners = {id(group_of[u]) for u in node.users if u in group_of}
+        if len(owners) > 1 and not _writes(node):
+            # read by several groups (BERT's attention mask, built from constants, read by every layer): a node of
+            # its own, before its first reader, so that the others depend on it alone and not on that reader's
+            # whole output (which held hf_bert's second attention node at 2.42 MB, its floor)
+            shared = Draft(node.name, "fwd", _relative(paths[node]) or "", primary=[node], shared_constant=True)
+            position[id(shared)] = min(position[k] for k in owners) - 0.5 + order[node] / (4 * len(order))
+            drafts[id(shared)] = group_of[node] = shared
+            continue
+        if owners:
+            owner = drafts[min(owners, key=position.__getitem__)]
         else:  # e.g. a running-statistics update: run it with the next op of the program
             later = [d for o, d in anchors if o > order[node]]
             earlier = [d for o, d in anchors if o < order[node]]
-            owner = later[0] if later else (earlier[-1] if earlier else len(ordered) - 1)
-        group_of[node] = ordered[owner]
+            owner = ordered[int(later[0] if later else (earlier[-1] if earlier else len(ordered) - 1))]
+        group_of[node] = owner
+    ordered = sorted(drafts.values(), key=lambda d: position[id(d)])
     for node in calls:
         if node in group_of:
             group_of[node].nodes.append(node)
@@ -175,6 +187,12 @@ def assign_groups(
     return ordered, prefix, shared_views
 
 
+def _writes(node: Node) -> bool:
+    """Whether ``node`` writes to one of its arguments (a buffer update): such an op stays with its reader."""
+    target = node.target
+    return not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
+
+
 def draft_names(
     drafts: list[Draft], prefix: list[str], module: nn.Module, granularity: str, block_depth: int
 ) -> list[str]:
@@ -186,9 +204,9 @@ def draft_names(
             continue
         display = ".".join(_display_parts(draft.path, prefix))
         first_op = op_name(draft.primary[0])
-        if granularity == "block":
+        if granularity == "block" and not draft.shared_constant:
             name = ".".join(display.split(".")[:block_depth]) if display else first_op
-        elif granularity == "op":
+        elif granularity == "op" or draft.shared_constant:  # bert.where: BERT's attention mask
             name = f"{display}.{first_op}" if display else first_op
         else:
             try:

@@ -316,6 +316,49 @@ def test_zoo_hf_bert():
     assert torch.allclose(whole, pieces)
 
 
+    # BERT's attention mask is built from constants and read by every layer: a node of its own, so that the second
+    # layer's attention does not depend on the first's (whose output held it: 2.42 MB, hf_bert's floor)
+    mask = graph.index_of("bert.where")
+    assert graph.nodes[mask].deps == ()
+    second = graph.nodes[graph.index_of("bert.encoder.layer.1.attention.self.matmul")]
+    assert mask in second.deps and graph.index_of("bert.encoder.layer.0.attention.self.matmul") not in second.deps
+
+
+class _Gate(nn.Module):
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return x * keep
+
+
+class _TwoMaskedLayers(nn.Module):
+    """A mask computed from constants alone, read by two layers (as BERT's attention mask is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.gate1, self.gate2 = _Gate(), _Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.arange(16) < 12
+        return self.second(self.gate2(torch.relu(self.gate1(self.first(x), keep)), keep))
+
+
+def test_a_tensor_built_from_constants_and_read_by_two_nodes_is_a_node_of_its_own():
+    """Computed once before its first reader; each reader depends on it, not on the other reader; the pieces
+    compute the model's loss."""
+    torch.manual_seed(0)
+    bundle = ModelBundle(name="masked", module=_TwoMaskedLayers(), inputs=(torch.randn(8, 16),),
+                         labels=torch.randint(0, 4, (8,)), loss_fn=F.cross_entropy)
+    traced = trace_model(bundle)
+    graph = traced.graph
+    shared = graph.nodes[graph.index_of("lt")]
+    assert shared.kind == "fwd" and shared.deps == ()
+    readers = [n for n in graph.nodes if n.kind == "fwd" and shared.index in n.deps]
+    assert len(readers) == 2 and shared.index < min(r.index for r in readers)
+    assert [r.name for r in readers] == ["gate1", "gate2"] and readers[0].index not in readers[1].deps
+    assert not any(n.kind == "bwd" and n.forward_index == shared.index for n in graph.nodes)  # nothing to differentiate
+    assert torch.allclose(bundle.loss_fn(bundle.module(*bundle.inputs), bundle.labels), _loss_by_groups(traced, bundle))
+
+
 def test_the_trace_passes_import_their_shared_types_one_way():
     """grouping and measure take their types from host.graph.groups, never from the trace that runs them."""
     import ast

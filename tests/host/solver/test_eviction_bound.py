@@ -145,21 +145,21 @@ def test_a_solve_not_proven_by_the_first_bound_tries_second_restorations():
 
 
 def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no_higher():
-    """hf_bert at 50% on m4: both covering problems prove 0.081838 J, with different evictions. The greedy from the
-    first's stops 1.08% above the bound (0.082735 J); from the second's 0.09% above it (0.081915 J), within the
-    default gap (0.1%), which proves it optimal."""
+    """hf_bert at 45% on m4: both covering problems prove 0.081827 J, with different evictions. The greedy from the
+    first's stops 0.18% above the bound (0.081975 J), outside the default gap (0.1%); from the second's at the bound,
+    which proves it optimal."""
     from host.costs.pricing import price_graph
     from host.run.sources import ModelSource, load_platform
 
     priced = price_graph(ModelSource("hf_bert").resolve().graph, load_platform("m4"))
-    budget, runtime = 0.5 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
+    budget, runtime = 0.45 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
     first = eviction_cover(priced, budget, runtime)
     second = eviction_cover(priced, budget, runtime, second_restorations=True)
     assert first.closed and second.closed and second.bound_j == pytest.approx(first.bound_j, rel=RTOL)
     assert first.start(priced.graph.size) != second.start(priced.graph.size)
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, time_limit_s=60))
     rows = {row.name: row for row in result.baselines}
-    assert rows[GREEDY_FROM_COVER].energy_j > first.bound_j * 1.005
+    assert rows[GREEDY_FROM_COVER].energy_j > first.bound_j * (1 + 1.5e-3)
     stronger_greedy_j = rows[GREEDY_FROM_STRONGER_COVER].energy_j
     assert stronger_greedy_j < rows[GREEDY_FROM_COVER].energy_j and stronger_greedy_j <= second.bound_j / (1 - 1e-3)
     assert result.status == "optimal" and result.objective_j == pytest.approx(stronger_greedy_j, rel=1e-9)
