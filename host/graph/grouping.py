@@ -2,8 +2,9 @@
 
 Groups follow ``nn_module_stack`` at the chosen granularity. View ops join their producer's group; ops that
 depend only on constants and buffers (or read a tensor only for its shape, like ``zeros_like``) join their first
-consumer's group, or, read by several groups (BERT's attention mask), form a node of their own before the first; views of parameters, buffers and batch inputs (``x.view(-1, 16)``, ``x.transpose(1, 2)``)
-own no memory and are replicated into every group that reads them. Groups are
+consumer's group or, read by several groups (BERT's attention mask), form a group of their own before the first;
+views of parameters, buffers and batch inputs (``x.view(-1, 16)``, ``x.transpose(1, 2)``) own no memory and are
+replicated into every group that reads them. Groups are
 annotated on the fx nodes (``node.meta[GROUP_META_KEY]``), and :func:`build_group_module` cuts one group out
 of the program as a standalone GraphModule.
 """
