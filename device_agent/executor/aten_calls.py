@@ -27,7 +27,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["compile_graph"]
+__all__ = ["RecordOps", "compile_graph"]
 
 _PLAIN = (int, float, bool, str, type(None))
 _BINDING_CACHE: dict[tuple, Callable | None] = {}
@@ -163,7 +163,9 @@ def _candidates(target: torch._ops.OpOverload) -> list[Callable]:
     return found
 
 
-class _Record(TorchDispatchMode):
+class RecordOps(TorchDispatchMode):
+    """Records the op overloads that reach the dispatcher (``.ops``), in order, and runs them."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list = []
@@ -193,7 +195,7 @@ def _reaches(binding: Callable, target: torch._ops.OpOverload, node: Node) -> bo
     try:
         args = _meta(tuple(node.args))
         kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
-        with torch.no_grad(), _Record() as record:
+        with torch.no_grad(), RecordOps() as record:
             binding(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a binding that does not take these arguments is simply not used
         return False

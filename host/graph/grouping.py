@@ -189,7 +189,8 @@ def assign_groups(
 
 
 def _writes(node: Node) -> bool:
-    """Whether ``node`` writes to one of its arguments (a buffer update): such an op stays with its reader."""
+    """Whether ``node`` may write to one of its arguments (a buffer update; anything but an aten op counts, to be
+    safe): such an op stays with its reader."""
     target = node.target
     return not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
 

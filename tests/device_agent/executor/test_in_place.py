@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from device_agent.executor.aten_calls import RecordOps
 from device_agent.executor.in_place import InPlaceBackward, write_over_dead_gradients
 from device_agent.executor.node_functions import capture_node_functions
 from device_agent.executor.partition import NodeProgram
@@ -16,26 +16,22 @@ from device_agent.executor.partition import NodeProgram
 _LSB = torch.ops.aten._log_softmax_backward_data
 
 
-class _Record(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def _smoothed(logits, labels):
     return F.cross_entropy(logits, labels, label_smoothing=0.1)
 
 
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (64 x 300) and labels, the same each call."""
+    return (torch.randn(64, 300, generator=torch.Generator().manual_seed(0)),
+            torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1)))
+
+
 def _eager_ops(loss_fn) -> tuple[list, torch.Tensor]:
     """The ops eager autograd runs for ``loss_fn``'s backward under InPlaceBackward, and the logits' gradient."""
-    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    logits, labels = _batch()
+    logits.requires_grad_(True)
     loss = loss_fn(logits, labels)
-    with _Record() as record, InPlaceBackward():  # InPlaceBackward sees each op first, then passes it on
+    with RecordOps() as record, InPlaceBackward():  # InPlaceBackward sees each op first, then passes it on
         (gradient,) = torch.autograd.grad(loss, [logits])
     return record.ops, gradient
 
@@ -43,8 +39,8 @@ def _eager_ops(loss_fn) -> tuple[list, torch.Tensor]:
 @pytest.mark.parametrize("loss_fn", [F.cross_entropy, _smoothed], ids=["cross_entropy", "label_smoothing"])
 def test_eager_autograd_writes_over_the_loss_gradient_only_where_it_is_fresh_and_bitwise(loss_fn):
     ops, gradient = _eager_ops(loss_fn)
-    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    logits, labels = _batch()
+    logits.requires_grad_(True)
     (expected,) = torch.autograd.grad(loss_fn(logits, labels), [logits])
     assert torch.equal(gradient, expected)
     written_over = _LSB.out in ops
@@ -69,8 +65,7 @@ class _Loss(torch.nn.Module):
 
 @pytest.mark.parametrize("loss_fn", [F.cross_entropy, _smoothed], ids=["cross_entropy", "label_smoothing"])
 def test_the_executor_s_loss_backward_is_written_over_as_eager_measures_it(loss_fn):
-    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1))
+    logits, labels = _batch()
     functions = capture_node_functions(_loss_program(loss_fn), [logits, labels])
     targets = [n.target for n in functions.backward.graph.nodes if n.op == "call_function"]
     eager_ops, expected = _eager_ops(loss_fn)
