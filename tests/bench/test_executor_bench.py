@@ -14,7 +14,7 @@ OVERHEAD_FIELDS = {"allocator", "granularity", "nodes", "plain_s_per_step", "poe
                    "overhead_us_per_instruction", "autograd_s_per_step", "autograd_ratio",
                    "autograd_overhead_us_per_instruction", "lowered", "autograd_nodes"}
 METHOD_FIELDS = {"model", "budget_share", "method", "s_per_step", "j_per_step", "energy_source", "peak_rss_bytes",
-                 "tracked_bytes", "fits_budget", "note"}
+                 "peak_rss_after_trim_bytes", "process_rss_bytes", "tracked_bytes", "fits_budget", "note"}
 
 
 @pytest.mark.slow
@@ -48,6 +48,8 @@ def test_json_has_both_parts_and_every_method(tmp_path):
         assert row.get("error") or (row["s_per_step"] > 0 and row["j_per_step"] > 0), row
     plain, poet = rows["plain"], rows["POET"]
     assert plain["tracked_bytes"] > 0 and plain["fits_budget"] is False
+    # the step's peak above the step start, in steady state and after a heap trim; the whole process holds more
+    assert plain["process_rss_bytes"] > plain["peak_rss_bytes"] > 0 and plain["peak_rss_after_trim_bytes"] > 0
     [budget] = report["budgets"]
     assert 0 < poet["tracked_bytes"] <= budget["budget_bytes"] * 1.001 and poet["fits_budget"] is True
     assert poet["granularity"] == budget["granularity"] == "block:1" and "block:1 nodes" in poet["note"]
