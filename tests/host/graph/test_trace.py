@@ -385,3 +385,24 @@ def test_node_groups_are_assembled_once_and_not_changed_by_later_passes(residual
     assert traced.graph.nodes[0].output_bytes == 0  # the batch: fixed bytes, held by the caller
     for group in traced.groups[1:]:
         assert traced.graph.nodes[group.index].output_bytes == group.output_bytes
+
+
+def test_tracing_leaves_no_activation_alive():
+    """The recorded forward and each group's re-run save tensors through hooks; nothing of them outlives the trace
+    (a hook returning the saved tensor itself, or holding it, made cycles through autograd's C++ graph that
+    Python's collector never freed: every activation of the example batch stayed in RAM)."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def live_real_tensors() -> dict[int, torch.Tensor]:
+        gc.collect()
+        return {id(o): o for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and not o.is_meta}
+
+    bundle = _bundle(TinyResidualNet(), (BATCH, 3, 4, 4))
+    before = live_real_tensors()
+    traced = trace_model(bundle)
+    leaked = [t for key, t in live_real_tensors().items() if key not in before and t.dim() and t.shape[0] == BATCH]
+    assert traced.graph.size > 0
+    assert leaked == [], [(tuple(t.shape), type(t.grad_fn).__name__) for t in leaked]
