@@ -15,7 +15,7 @@
    method alike. ``peak_rss_bytes`` is that mark above the step-start RSS in steady state: what a step adds
    to the process as training goes on. ``peak_rss_after_trim_bytes`` is the mark in the steps right after
    the C heap is trimmed, which also counts the free heap pages those steps touch again: how many depends on
-   the holes the process's earlier work left in its heap (tracing, compiling), 0.4-0.7 MB for POET on hf_bert
+   the holes the process's earlier work left in its heap (tracing, compiling), 0.6-1.1 MB for POET on hf_bert
    at 30%. ``process_rss_bytes`` is the RSS at the start of a steady-state step (model, libraries, traced
    graphs). With a 64 KiB threshold, tensors below it (dropout masks, norm statistics) went to those heap
    holes too. POET's schedule is solved on the quick local profile fitted to the
