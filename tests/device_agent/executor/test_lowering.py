@@ -167,6 +167,7 @@ def test_a_node_whose_functions_hold_more_than_priced_runs_under_autograd(tmp_pa
     assert param_diff(current.bundle.module, plain.module)[1]
 
 
+@pytest.mark.slow  # ~15 s
 def test_paging_overlapped_with_compute_trains_as_paging_in_place(tmp_path):
     """Transfers on the I/O thread (page-outs started once their entry is complete, page-ins prefetched under
     the budget) change when bytes move, not what is computed: bitwise the same parameters as without overlap."""

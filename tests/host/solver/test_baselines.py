@@ -101,6 +101,7 @@ def test_the_paper_formulation_runs_without_baselines():
     assert result.baselines == [] and result.schedule.solve.formulation == "poet2022"
 
 
+@pytest.mark.slow  # ~19 s
 def test_a_greedy_not_proven_optimal_is_improved_by_ejection_moves_and_offered():
     """Random graph 25 of 40 nodes at 40%, at a gap no greedy meets: the solve runs ejection moves from the cheapest
     greedy, lists the cheaper plan as a baseline of its own, and answers with no more than it. The second covering
