@@ -638,9 +638,9 @@ def run_peak(config: dict) -> dict:
     """One method alone in this process: the RSS high-water mark of its steps above the step-start RSS, then
     one counted step for its tracked bytes.
 
-    Two marks: right after the C heap is trimmed (``peak_rss_after_trim_delta_bytes``: free heap pages the
-    steps touch again count), then in the steps after those (``peak_rss_delta_bytes``, steady state: what a
-    step adds to the process as training goes on)."""
+    Two marks: right after the C heap is trimmed (``peak_rss_after_trim_bytes``: free heap pages the steps
+    touch again count), then in the steps after those (``peak_rss_bytes``, steady state: what a step adds to
+    the process as training goes on); the row's names, as the row takes them."""
     from device_agent.executor.allocator import release_free_memory
     from device_agent.meters.memory import PeakRssSampler
 
@@ -657,9 +657,9 @@ def run_peak(config: dict) -> dict:
         with PeakRssSampler() as steady:
             for _ in range(config["steps"]):
                 method.step()
-        result = {"peak_rss_delta_bytes": steady.peak_bytes - steady.start_bytes,
-                  "peak_rss_after_trim_delta_bytes": after_trim.peak_bytes - after_trim.start_bytes,
-                  "step_start_rss_bytes": steady.start_bytes, **method.tracked()}
+        result = {"peak_rss_bytes": steady.peak_bytes - steady.start_bytes,
+                  "peak_rss_after_trim_bytes": after_trim.peak_bytes - after_trim.start_bytes,
+                  "process_rss_bytes": steady.start_bytes, **method.tracked()}
         method.close()
     except Exception as error:  # noqa: BLE001
         return {"error": _error_text(error)}
@@ -852,8 +852,6 @@ def _graph_at_granularity(model: str, batch_size: int, profile, granularity, bud
 # Every method row has these (None where they do not apply or the method could not run).
 METHOD_FIELDS = ("s_per_step", "j_per_step", "energy_source", "peak_rss_bytes", "peak_rss_after_trim_bytes",
                  "process_rss_bytes", "tracked_bytes", "tracked_source", "fits_budget", "note")
-_MEMORY_FIELDS = {"peak_rss_delta_bytes": "peak_rss_bytes", "peak_rss_after_trim_delta_bytes": "peak_rss_after_trim_bytes",
-                  "step_start_rss_bytes": "process_rss_bytes"}
 
 
 def _method_row(model, batch_size, share, info, label, config, timing, memory, plain) -> dict:
@@ -861,7 +859,7 @@ def _method_row(model, batch_size, share, info, label, config, timing, memory, p
     row = {"model": model, "batch_size": batch_size, "budget_share": share, "method": label,
            **dict.fromkeys(METHOD_FIELDS), "s_per_step": timing.get("step_s"), "j_per_step": timing.get("energy_j"),
            "energy_source": timing.get("energy_source"),
-           **{_MEMORY_FIELDS.get(k, k): v for k, v in memory.items() if k not in ("error", "compiled_graphs")}}
+           **{k: v for k, v in memory.items() if k not in ("error", "compiled_graphs")}}
     if config.get("segments"):
         row["segments"] = config["segments"]
     errors = [e for e in (timing.get("error"), memory.get("error")) if e]
