@@ -1,7 +1,8 @@
 """The flash page store: one file per paged node, written atomically and checked on the way back.
 
-A page-out writes a temporary file, fsyncs it, renames it into place and drops it from the OS page
-cache (``posix_fadvise(DONTNEED)``), so the page-in that follows really reads the device. The file
+A page-out writes a temporary file, writes its data back to the device (``sync_file_range`` on Linux: the data,
+not the metadata a crash would need, since a crashed run's pages are swept anyway), renames it into place and drops
+it from the OS page cache (``posix_fadvise(DONTNEED)``), so the page-in that follows really reads the device. The file
 carries a CRC-32 of its header and payload; a page-in verifies it. Files live in a private
 subdirectory of the flash directory, created at the first page-out and removed by
 :meth:`FlashPageStore.clear` and :meth:`FlashPageStore.close` (after a failure, and when the executor closes).
@@ -49,7 +50,7 @@ except ImportError:  # not POSIX: no owner locks, so no sweeping either
     fcntl = None
 
 from device_agent.executor.ram_store import Entry, EntryLayout, storage_bytes
-from device_agent.fileio import atomic_write_chunks
+from device_agent.fileio import atomic_write_chunks, write_back_data
 
 _MAGIC = b"POETPG\x00\x01"
 _HEADER = struct.Struct("<8sIIQ")
@@ -438,8 +439,10 @@ class FlashPageStore:
                 self.cache_dropped = _drop_cache(fd) and self.cache_dropped
 
         try:
-            # Pages are scratch data of this run: no directory fsync (a crash leaves them to the stale sweep).
-            atomic_write_chunks(final, chunks(), mode=0o600, before_close=drop_cache, durable_rename=False)
+            # Pages are scratch data of this run: the data is written back (so the page cache can drop it) but
+            # neither the file's metadata nor the directory is made durable (a crash leaves them to the stale sweep).
+            atomic_write_chunks(final, chunks(), mode=0o600, before_close=drop_cache, durable_rename=False,
+                                sync=write_back_data)
         except OSError as error:
             if not self._pages:
                 self._remove_directory()

@@ -84,3 +84,51 @@ def test_a_parent_that_is_a_file_fails_without_side_effects(tmp_path):
         atomic_write_bytes(parent / "f.bin", b"data")
     assert parent.read_text() == "a file"
     assert [p.name for p in tmp_path.iterdir()] == ["not-a-dir"]
+
+
+def resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore on a private mapping of it)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        buffer = (ctypes.c_char * size).from_buffer(mapping)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vector = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(buffer)), ctypes.c_size_t(size), vector) == 0
+            return sum(v & 1 for v in vector)
+        finally:
+            del buffer
+
+
+def dirty_then_dropped(path, data: bytes, sync) -> int:
+    """Write ``data`` to ``path``, ``sync`` it (or not), ask the kernel to drop its cached pages; pages left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        if sync is not None:
+            sync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return resident_pages(path)
+
+
+@pytest.mark.skipif(not (hasattr(os, "posix_fadvise") and os.uname().sysname == "Linux"), reason="Linux only")
+@pytest.mark.parametrize("sync_file_range", [True, False], ids=["sync_file_range", "fdatasync"])
+def test_written_back_data_leaves_the_page_cache_when_dropped(tmp_path, monkeypatch, sync_file_range):
+    """The page store's page-outs rely on it: data written back (not fsynced) is clean, so POSIX_FADV_DONTNEED
+    drops it and the page-in really reads the device; also where the C library has no sync_file_range."""
+    if not sync_file_range:
+        monkeypatch.setattr(fileio, "_SYNC_FILE_RANGE", None)
+    elif fileio._SYNC_FILE_RANGE is None:
+        pytest.skip("this C library has no sync_file_range")
+    data = os.urandom(64 * 4096)
+    if dirty_then_dropped(tmp_path / "control", data, None) == 0:
+        pytest.skip("this file system drops dirty pages at once (or keeps none): nothing to tell apart")
+    if dirty_then_dropped(tmp_path / "fsynced", data, os.fsync) != 0:
+        pytest.skip("this file system keeps pages in memory (tmpfs?) even when clean")
+    assert dirty_then_dropped(tmp_path / "written-back", data, fileio.write_back_data) == 0

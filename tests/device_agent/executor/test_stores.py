@@ -88,6 +88,20 @@ def test_page_round_trip_is_exact_and_files_go_away(tmp_path):
     assert pages.directory is None and os.listdir(tmp_path) == []  # closing takes the directory along
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_a_page_file_leaves_the_page_cache(tmp_path):
+    """A page-out's bytes reach the device before the store drops them from the page cache (else the kernel
+    keeps the dirty pages, in RAM, and the page-in reads them from there)."""
+    from tests.device_agent.test_fileio import dirty_then_dropped, resident_pages
+
+    if dirty_then_dropped(tmp_path / "control", os.urandom(64 * 4096), os.fsync) != 0:
+        pytest.skip("this file system keeps pages in memory (tmpfs?) even when clean")
+    (tmp_path / "flash").mkdir()
+    with FlashPageStore(tmp_path / "flash") as pages:
+        pages.write(1, "layer.1", _entry(1, x=torch.randn(64 * 1024)))
+        assert pages.cache_dropped and resident_pages(pages.path_of(1)) == 0
+
+
 def test_corruption_is_detected_and_names_the_tensor(tmp_path):
     with FlashPageStore(tmp_path) as pages:
         pages.write(1, "blocks.3.conv1", _entry(1, x=torch.randn(100)))
