@@ -72,12 +72,13 @@ def cmd_calibrate(args, console: Console, op: OperatorClient) -> int:
     console.print(f"{report['agent']}: profile v{report['profile_version']} stored (fitted on v"
                   f"{report['base_profile_version']}); held-out step-time MAPE {report['step_mape_before']:.1f}% -> "
                   f"{report['step_mape_after']:.1f}%; energy MAPE {energy} ({report['energy_source']})")
-    console.print(f"{'run':<18} {'model':<16} {'schedule':<20} {'status':<8} {'p-out':>5} {'recomp':>6} "
-                  f"{'MAPE before->after':>20}")
+    console.print(f"{'first run':<18} {'runs':>4} {'model':<16} {'schedule':<20} {'status':<8} {'p-out':>5} "
+                  f"{'recomp':>6} {'MAPE before->after':>20}")
     for run in report["runs"]:
         mape = (f"{run['step_mape_before']:.1f}% -> {run['step_mape_after']:.1f}%"
                 if run.get("step_mape_before") is not None else "-")
-        console.print(f"{run['run_id']:<18} {run['model']:<16} {run['schedule']:<20} {run['status']:<8} "
+        console.print(f"{run['run_id']:<18} {len(run.get('run_ids') or [run['run_id']]):>4} {run['model']:<16} "
+                      f"{run['schedule']:<20} {run['status']:<8} "
                       f"{num(run.get('page_outs'), 'd'):>5} {num(run.get('recomputes'), 'd'):>6} {mape:>20}")
     return EXIT_OK
 
@@ -86,6 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     from host.fleet.limits import CALIBRATION_BATCH_SIZE as DEFAULT_BATCH_SIZE
     from host.fleet.limits import CALIBRATION_MODELS as DEFAULT_MODELS
+    from host.fleet.limits import CALIBRATION_REPEATS
     from host.fleet.limits import CALIBRATION_STEPS as DEFAULT_STEPS
 
     calibrate = sub.add_parser(
@@ -94,8 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "then short TRAIN runs of calibration models on random samples made on the board, each under "
                     "three schedules solved on version k: keep-all (100% of the no-remat peak), remat-heavy "
                     "(recomputation only) and paging-heavy (paging only), the last two at the first of 50%, 65% "
-                    "and 80% of the peak the model fits in. It fits version k to the even steps of the runs, "
-                    "reports the step-time (and, where a meter measured, energy) MAPE before and after on the odd "
+                    f"and 80% of the peak the model fits in; each schedule runs {CALIBRATION_REPEATS} times, in rounds. "
+                    "It fits "
+                    "version k to the even steps of the runs, reports the step-time (and, where a meter measured, energy) MAPE before and after on the odd "
                     "steps from 3, which the fit did not see, and stores the fit as version k+1 with its "
                     "provenance. The next runs on that board are solved on it. The calibration belongs to the "
                     "coordinator: it goes on if this command exits.",

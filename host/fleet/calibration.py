@@ -5,7 +5,10 @@
    version k: keep-all (budget 100% of the no-remat peak), remat-heavy (recomputation only) and paging-heavy
    (paging only), the last two at the first of 50%, 65%, 80% of the peak the model can be trained in (or, when
    the model's hard floor is above all three, halfway between that floor and the peak: :func:`heavy_budget_bytes`),
-   runtime factor 4. They train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
+   runtime factor 4. Each schedule runs :data:`~host.fleet.limits.CALIBRATION_REPEATS` times, in rounds (every
+   schedule once, then again), so a slow spell of a board that shares its machine slows one run of each schedule
+   rather than every run of one; the fit takes every run, and a schedule's held-out steps are pooled over its
+   repeats (:func:`pool_runs`). They train on the board's synthetic dataset (:data:`device_agent.agent.datasets.SYNTHETIC_DATASET`: seeded random
    samples of the model's shape), so a board needs no data of each calibration model's shape.
 3. Each run's stored telemetry is split: the even steps are fitted, the odd steps from 3 are held out
    (step 1 warms allocators and caches up; see :func:`fit_and_heldout_steps`). :func:`host.calibrate.fit.fit_profile` fits version k on the fit halves; the
@@ -40,7 +43,7 @@ from typing import Any
 import grpc
 
 from host.fleet import serde
-from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_STEPS
+from host.fleet.limits import CALIBRATION_BATCH_SIZE, CALIBRATION_MODELS, CALIBRATION_REPEATS, CALIBRATION_STEPS
 from host.fleet.metrics import RunMetrics
 from host.fleet.planning import Planner
 from host.fleet.refusal import Refused
@@ -167,6 +170,23 @@ def split_run(run, steps: Iterable[int]):
     return CalibrationRun(graph=run.graph, schedule=run.schedule,
                           instructions=[i for i in run.instructions if i["step"] in chosen],
                           steps=[s for s in run.steps if s["step"] in chosen])
+
+
+def pool_runs(runs: Sequence):
+    """Runs of one schedule on one graph as one run: run k's step s becomes step s + k x stride, the stride even
+    and above every step, so each run's even steps stay even and its odd steps odd."""
+    from host.calibrate.fit import CalibrationRun
+
+    if not runs:
+        raise ValueError("no runs to pool")
+    last = max((int(e["step"]) for run in runs for e in (*run.instructions, *run.steps)), default=0)
+    stride = 2 * (last // 2 + 1)
+    instructions: list[dict] = []
+    steps: list[dict] = []
+    for k, run in enumerate(runs):
+        instructions += [{**event, "step": int(event["step"]) + k * stride} for event in run.instructions]
+        steps += [{**step, "step": int(step["step"]) + k * stride} for step in run.steps]
+    return CalibrationRun(graph=runs[0].graph, schedule=runs[0].schedule, instructions=instructions, steps=steps)
 
 
 def fit_and_heldout_steps(steps: int) -> tuple[list[int], list[int]]:
@@ -394,15 +414,21 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
                 budget_note = f"{budget} bytes, halfway from the floor to the no-remat peak"
                 _presolve(planner, board_record, request)
             chosen.append((model, label, request, budget_note))
-    planned: list[dict[str, Any]] = []
-    for model, label, request, budget_note in chosen:  # the schedules are cached: each submit answers at once
-        run = planner.submit(request)[0]
-        status = serde.RUN_STATUS_FROM_PB[run.status]
-        with calibration.lock:
-            calibration.run_ids.append(run.run_id)
-        planned.append({"run_id": run.run_id, "model": model, "schedule": label, "budget": budget_note,
-                        "status": status, "error": run.error or None})
-    queued = [p["run_id"] for p in planned if p["status"] in (RunStatus.QUEUED, RunStatus.SOLVING)]
+    planned: list[dict[str, Any]] = []  # one entry per schedule; its runs are the repeats
+    submitted: dict[str, tuple[str, str | None]] = {}  # run id -> (status, error) as submitted
+    for repeat in range(CALIBRATION_REPEATS):  # in rounds; the schedules are cached: each submit answers at once
+        for index, (model, label, request, budget_note) in enumerate(chosen):
+            run = planner.submit(request)[0]
+            submitted[run.run_id] = (serde.RUN_STATUS_FROM_PB[run.status], run.error or None)
+            with calibration.lock:
+                calibration.run_ids.append(run.run_id)
+            if repeat == 0:
+                planned.append({"run_id": run.run_id, "run_ids": [run.run_id], "model": model, "schedule": label,
+                                "budget": budget_note, "status": submitted[run.run_id][0],
+                                "error": submitted[run.run_id][1]})
+            else:
+                planned[index]["run_ids"].append(run.run_id)
+    queued = [r for r, (status, _) in submitted.items() if status in (RunStatus.QUEUED, RunStatus.SOLVING)]
     if not queued:
         raise CalibrationFailed("no calibration run could be scheduled: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
@@ -413,18 +439,27 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     fit_steps, heldout_steps = fit_and_heldout_steps(calibration.steps)
     done = [run_id for run_id in queued if records[run_id].status == RunStatus.DONE]
     for entry in planned:
-        if entry["run_id"] in records:
-            record = records[entry["run_id"]]
-            entry.update(status=record.status, error=record.detail, ram_budget_bytes=record.ram_budget_bytes,
-                         recomputes=record.run_metrics.recomputes, page_ins=record.run_metrics.page_ins,
-                         page_outs=record.run_metrics.page_outs, events_stored=record.events_stored)
+        ended = [records[r] for r in entry["run_ids"] if r in records]
+        if ended:  # a schedule's figures are its first run's; its status is done only when every repeat is
+            record = next((r for r in ended if r.status != RunStatus.DONE), ended[0])
+            entry.update(status=record.status, error=record.detail, ram_budget_bytes=ended[0].ram_budget_bytes,
+                         recomputes=ended[0].run_metrics.recomputes, page_ins=ended[0].run_metrics.page_ins,
+                         page_outs=ended[0].run_metrics.page_outs,
+                         events_stored=sum(r.events_stored for r in ended))
     if not done:
         raise CalibrationFailed("every calibration run failed: "
                                 + "; ".join(f"{p['model']} {p['schedule']}: {p['error']}" for p in planned))
 
     runs = stored_runs(planner, done)
     fit_runs = [split_run(r, fit_steps) for r in runs]
-    held_runs = [split_run(r, heldout_steps) for r in runs]
+    by_id = dict(zip(done, runs, strict=True))
+    held_by_entry: dict[str, Any] = {}  # a schedule's repeats, held-out halves pooled (same schedule only)
+    for entry in planned:
+        repeats = [by_id[r] for r in entry["run_ids"] if r in by_id]
+        same = [r for r in repeats if repeats and r.schedule.instructions == repeats[0].schedule.instructions]
+        if same:
+            held_by_entry[entry["run_id"]] = pool_runs([split_run(r, heldout_steps) for r in same])
+    held_runs = list(held_by_entry.values())
     if not any(r.steps for r in held_runs) or not any(r.instructions for r in fit_runs):
         raise CalibrationFailed("the calibration runs' telemetry has no steps to fit or to hold out "
                                 f"(fit steps {fit_steps}, held out {heldout_steps})")
@@ -435,9 +470,8 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     }
     sources = [s.get("energy_source") for r in runs for s in r.steps if s.get("energy_source")]
     energy_source = sources[-1] if sources else None
-    by_id = dict(zip(done, held_runs, strict=True))
     for entry in planned:
-        held = by_id.get(entry["run_id"])
+        held = held_by_entry.get(entry["run_id"])
         if held is not None and held.steps:
             entry["step_mape_before"] = step_time_mape(base, [held])
             entry["step_mape_after"] = step_time_mape(fitted, [held])
@@ -451,6 +485,7 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
         "operator": calibration.operator, "base_version": base_version, "profile_job_id": record_job(store, profile_run),
         "profile_run_id": profile_run.run_id, "run_ids": done, "job_ids": [records[r].job_id for r in done],
         "models": calibration.models, "steps": calibration.steps, "batch_size": calibration.batch_size,
+        "repeats": CALIBRATION_REPEATS,
         "fit_steps": fit_steps, "heldout_steps": heldout_steps,
         "started_unix_s": started, "created_unix_s": time.time(), **errors, "energy_source": energy_source,
     }

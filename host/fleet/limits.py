@@ -19,6 +19,9 @@ CALIBRATION_MODELS = ("mlp", "resnet18_cifar")  # `poet calibrate` default model
 CALIBRATION_STEPS = 40  # steps per calibration run: 20 fitted, 19 held out after the warm-up step (20 left the
 # medians of tiny steps to a few disturbed ones: bench/calibration.py --as-user)
 CALIBRATION_BATCH_SIZE = 8
+# runs of each calibration schedule, in rounds (every schedule once, then again): a slow spell of a board that shares
+# its machine slows one run of each schedule, not all runs of one; their held-out steps are pooled
+CALIBRATION_REPEATS = 3
 # What a board may send (host/fleet/validation.py): larger or odder values are refused at the door
 MAX_FACT_BYTES = 1 << 50  # a byte count a board reports (RAM, flash, limits): 1 PiB
 MAX_CPU_COUNT = 4096

@@ -7,7 +7,8 @@ import pytest
 
 from device_agent import protos
 from host.fleet import serde
-from host.fleet.calibration import Calibration, fit_and_heldout_steps, telemetry_steps
+from host.fleet.calibration import Calibration, fit_and_heldout_steps, pool_runs, split_run, telemetry_steps
+from host.fleet.limits import CALIBRATION_REPEATS
 from tests.e2e.conftest import cert_dir, dump, fleet, shards, wait_until  # noqa: F401 (fixtures)
 
 fleet_pb2 = protos.load("poet.v1.fleet_pb2")
@@ -69,6 +70,34 @@ def test_fit_and_heldout_halves_interleave_after_the_warmup_step():
     assert fit_and_heldout_steps(4) == ([2, 4], [3])
 
 
+def test_repeats_pool_into_one_run_whose_halves_are_each_runs_halves():
+    """Three runs of one schedule pooled: every step and instruction kept, renumbered apart, each run's even
+    (fitted) steps still even and its odd (held-out) steps odd, so the halves split as each run's did."""
+    from host.calibrate.fit import CalibrationRun
+
+    def run(seconds):
+        return CalibrationRun(graph="g", schedule="s",
+                              instructions=[{"step": n, "kind": "compute", "duration_s": t} for n, t in seconds],
+                              steps=[{"step": n, "duration_s": t} for n, t in seconds])
+
+    runs = [run([(1, 9.0), (2, 1.0), (3, 2.0), (4, 1.0), (5, 2.0)]), run([(1, 9.0), (2, 3.0), (3, 4.0)]),
+            run([(1, 9.0), (2, 5.0), (3, 6.0), (4, 5.0), (5, 6.0), (6, 5.0), (7, 6.0)])]
+    pooled = pool_runs(runs)
+    assert pooled.graph == "g" and pooled.schedule == "s"
+    numbers = [s["step"] for s in pooled.steps]
+    assert len(numbers) == len(set(numbers)) == 15 and [i["step"] for i in pooled.instructions] == numbers
+    _, held = fit_and_heldout_steps(7)
+    fitted = [s["duration_s"] for s in split_run(pooled, range(0, 100, 2)).steps]
+    held_out = [s["duration_s"] for s in pooled.steps if s["step"] % 2 and s["duration_s"] != 9.0]
+    assert sorted(fitted) == [1.0, 1.0, 3.0, 5.0, 5.0, 5.0] and sorted(held_out) == [2.0, 2.0, 4.0, 6.0, 6.0, 6.0]
+    # held-out halves pooled after the split keep only held-out steps, none of them a run's warm-up step 1
+    pooled_held = pool_runs([split_run(r, held) for r in runs])
+    assert sorted(s["duration_s"] for s in pooled_held.steps) == [2.0, 2.0, 4.0, 6.0, 6.0, 6.0]
+    assert min(s["step"] for s in pooled_held.steps) > 1
+    with pytest.raises(ValueError, match="no runs"):
+        pool_runs([])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solved_on(fleet):  # noqa: F811
@@ -90,6 +119,7 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
     runs = report["runs"]
     assert [(r["model"], r["schedule"], r["status"]) for r in runs] == [
         ("mlp", "keep-all", "done"), ("mlp", "remat-heavy", "done"), ("mlp", "paging-heavy", "done")], dump(report)
+    assert all(len(r["run_ids"]) == CALIBRATION_REPEATS and r["run_ids"][0] == r["run_id"] for r in runs)
     assert runs[0]["page_outs"] == runs[0]["recomputes"] == 0
     assert runs[1]["recomputes"] > 0 and runs[1]["page_outs"] == 0, dump(report)
     assert runs[2]["page_outs"] > 0 and runs[2]["recomputes"] == 0, dump(report)
@@ -97,7 +127,7 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
     # every schedule is solved before the first run is queued (the board never trains beside a solve), so each
     # kind of schedule is submitted once, at the share it fits: mlp fits no paging-only schedule at 50% or 65%
     listed = [(r["kind"], r["status"]) for r in fleet.poet_json("runs", "list")["runs"]]
-    assert listed == [("profile", "done")] + [("train", "done")] * 3, listed
+    assert listed == [("profile", "done")] + [("train", "done")] * 3 * CALIBRATION_REPEATS, listed
     assert runs[2]["budget"] == "80% of the no-remat peak", dump(report)
     print(dump(report))
 
@@ -106,13 +136,15 @@ def test_poet_calibrate_end_to_end_stores_a_fitted_version_the_next_run_is_solve
                                                                             (2, "calibration")]
     provenance = versions[1]["provenance"]
     assert provenance["agent"] == "b1" and provenance["base_version"] == 1
-    assert provenance["run_ids"] == [r["run_id"] for r in runs]
+    # in rounds: every schedule once, then again
+    assert provenance["run_ids"] == [r["run_ids"][k] for k in range(CALIBRATION_REPEATS) for r in runs]
+    assert provenance["repeats"] == CALIBRATION_REPEATS
     assert provenance["step_mape_after"] == report["step_mape_after"]
     assert provenance["energy_mape_after"] is None and provenance["created_unix_s"] > 0
     diff = fleet.poet_json("profiles", "diff", "b1", "1", "2")
     assert diff["changes"], dump(diff)
-    for run in runs:  # the calibration runs were solved on version 1, the PROFILE job's
-        assert fleet.show(run["run_id"])["profile"]["version"] == 1
+    for run_id in provenance["run_ids"]:  # the calibration runs were solved on version 1, the PROFILE job's
+        assert fleet.show(run_id)["profile"]["version"] == 1
     after = fleet.submit("b1", steps=2)[0]
     assert after["profile"]["version"] == 2, dump(after)
 
