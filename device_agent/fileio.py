@@ -48,9 +48,8 @@ def write_back_data(fd: int) -> None:
     Cheaper than fsync, which also commits the file system's journal (docs/benchmarks.md, "Page-outs without
     fsync")."""
     if _SYNC_FILE_RANGE is None:
-        os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
-        return
-    if _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_ALL) != 0:
+        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+    elif _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_ALL) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
 
@@ -70,8 +69,8 @@ def atomic_write_chunks(
     compute a checksum for its last chunk) without joining them in memory. ``before_close(fd)`` runs
     after the fsync (the page store drops the file from the page cache there). ``durable_rename=False``
     skips the directory fsync, for scratch files that a crash may lose (pages of a running step); ``sync`` is how
-    the data reaches the device before the rename: ``os.fsync`` (data and metadata; the default), or :func:`write_back_data`
-    (data only) for such scratch files.
+    the data reaches the device before the rename: ``os.fsync`` (data and metadata; the default), or
+    :func:`write_back_data` (data only) for such scratch files.
     The parent directory must exist. ``mode`` is set explicitly because ``mkstemp`` creates files rw-------.
     """
     target = Path(path)

@@ -456,7 +456,7 @@ def calibrate(planner: Planner, calibration: Calibration) -> dict[str, Any]:
     held_by_entry: dict[str, Any] = {}  # a schedule's repeats, held-out halves pooled (same schedule only)
     for entry in planned:
         repeats = [by_id[r] for r in entry["run_ids"] if r in by_id]
-        same = [r for r in repeats if repeats and r.schedule.instructions == repeats[0].schedule.instructions]
+        same = [r for r in repeats if r.schedule.instructions == repeats[0].schedule.instructions]
         if same:
             held_by_entry[entry["run_id"]] = pool_runs([split_run(r, heldout_steps) for r in same])
     held_runs = list(held_by_entry.values())
