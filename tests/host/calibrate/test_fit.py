@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 import pytest
@@ -70,11 +71,11 @@ def test_calibrated_rates_price_the_measured_forward(measured):
     calibrated = calibrate_profile(wrong, graph, fit_events)
     ratio = _median_forward_ratio(calibrated, graph, held_out)
     before = _median_forward_ratio(wrong, graph, held_out)
-    assert abs(ratio - 1) < abs(before - 1)
-    # Other steps of the same model: the same rates, within an order of magnitude. Uncalibrated, the ratio was
-    # 1e3-5e4 here; calibrated 0.997 on a quiet machine, 0.92 and 5.3 in two runs with three busy processes on
-    # its 2 cores (load bursts hit fitted and held-out steps unevenly; the FLOPs-only check saw 0.10 under CI).
-    assert 0.1 < ratio < 10
+    # Uncalibrated, the ratio was 1e3-6e4 here; calibrated 0.6-1.0 on a quiet machine, but 0.079, 0.92, 5.3 and 24 in
+    # runs on a loaded 2-core machine (load bursts hit fitted and held-out steps unevenly). So the bound is a factor
+    # of 50 either way: a fit whose rates are 100x off (tried) fails it, a loaded machine does not.
+    assert before > 100, "the Cortex-M0 profile should misprice this machine by orders of magnitude"
+    assert abs(math.log(ratio)) < math.log(50)
     assert "calibrated from executor telemetry" in calibrated.sources["compute.flops_per_s.matmul"]
     assert calibrated.path is None
 
