@@ -239,7 +239,8 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
 
     samples: list[tuple[dict, float, float]] = []  # (features, median node seconds, the run's step compute s)
     transfers = {"page_in": [], "page_out": []}  # (bytes, seconds)
-    optimizer_steps: list[tuple[list[float], float]] = []  # ([1, parameter tensors, parameter bytes], seconds)
+    # per run: ([1, parameter tensors, parameter bytes], median optimizer seconds)
+    optimizer_steps: list[tuple[list[float], float]] = []
     frees = {"ram": [], "flash": []}
     for run in runs:
         _check_graph(run)
@@ -267,13 +268,12 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
             for index, values in durations.items():
                 samples.append((compute_features(graph.nodes[index], float(traffic[index])),
                                 statistics.median(values), step_compute_s))
-        for step_event in run.steps:
-            step = int(step_event.get("step", 0))
-            if step <= warmup_steps or step not in steps_with_instructions:
-                continue
-            optimizer_s = float(step_event.get("optimizer_s", 0.0))
-            if optimizer_s > 0 and graph.param_bytes > 0:
-                optimizer_steps.append(([1.0, float(graph.param_tensors), float(graph.param_bytes)], optimizer_s))
+        optimizer_s = [float(e.get("optimizer_s", 0.0)) for e in run.steps
+                       if int(e.get("step", 0)) > warmup_steps and int(e.get("step", 0)) in steps_with_instructions]
+        optimizer_s = [seconds for seconds in optimizer_s if seconds > 0]
+        if optimizer_s and graph.param_bytes > 0:
+            optimizer_steps.append(([1.0, float(graph.param_tensors), float(graph.param_bytes)],
+                                    statistics.median(optimizer_s)))
     if not samples:
         raise CalibrationError(f"no measured computes after the first {warmup_steps} step(s): train more steps")
     changes: dict = {"path": None}
@@ -327,7 +327,8 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     if optimizer_steps:
         changes.update(_fit_optimizer(optimizer_steps))
         for key in ("optimizer_overhead_s", "optimizer_tensor_overhead_s", "optimizer_bytes_per_s"):
-            sources[f"step.{key}"] = f"{note}: least squares over {len(optimizer_steps)} optimizer steps"
+            sources[f"step.{key}"] = (f"{note}: least squares over the median optimizer steps of "
+                                      f"{len(optimizer_steps)} run(s)")
     for location, values in frees.items():
         if values:
             changes[f"free_{location}_s"] = statistics.median(values)
@@ -372,7 +373,7 @@ def _squared_step_error(profile: PlatformProfile, runs: Sequence[CalibrationRun]
 
 def _fit_optimizer(steps: list[tuple[list[float], float]]) -> dict[str, float | None]:
     """The optimizer step's fixed cost, cost per parameter tensor and throughput (bytes per second, None when the
-    bytes explain none of it) from ([1, tensors, bytes], seconds) per step; the throughput's column is shrunk weakly
+    bytes explain none of it) from ([1, tensors, bytes], median seconds) per run; the throughput's column is shrunk weakly
     towards 0, so that where the runs cannot tell bytes from tensors (two models, few tensors) the tensors take the
     time: measured here, mlp's 6 tensors 0.18 ms, resnet18_cifar's 47 tensors 0.80 ms, and a 7-tensor CNN of 6 KB
     0.24-0.31 ms, which bytes alone priced at 0.01 ms."""
@@ -386,22 +387,23 @@ def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun]
     """What a step takes beyond the priced computes, transfers, frees and optimizer, as the executor's
     overheads per step and per instruction, and the paging's cost outside its transfers (the kernel's
     write-back, caches refilled after a page-in) per transfer and per paged byte, which are added to both
-    directions' transfer latency and throughput so the solver sees them. Least squares on each step's
-    relative error."""
+    directions' transfer latency and throughput so the solver sees them. Least squares on the relative error of
+    each run's median step: fitted step by step, the steps another process slowed weigh less than the fast ones
+    (relative to their own length) and the fit came out under the median that :func:`step_time_mape` compares.
+    Runs, not steps, are then the rows: three schedules per model give enough of them."""
     rows, targets, scales = [], [], []
     for run in runs:
         instructions = run.schedule.instructions
         transfers = [i for i in instructions if i.kind in ("page_in", "page_out")]
         transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in transfers)
+        measured_s = _median_measured(run, "duration_s", warmup_steps)
+        if not measured_s or measured_s <= 0:
+            continue
         priced_s, _ = predict_step(profile, run.graph, run.schedule)
-        for step in run.steps:
-            duration_s = float(step.get("duration_s", 0.0))
-            if int(step.get("step", 0)) <= warmup_steps or duration_s <= 0:
-                continue
-            rows.append([1.0, float(len(instructions)), float(len(transfers)), float(transfer_bytes)])
-            targets.append(duration_s - priced_s)
-            scales.append(duration_s)
-    if len(rows) < 2:
+        rows.append([1.0, float(len(instructions)), float(len(transfers)), float(transfer_bytes)])
+        targets.append(measured_s - priced_s)
+        scales.append(measured_s)
+    if not rows:
         return profile
     step_overhead_s, instruction_overhead_s, paging_s_per_transfer, paging_s_per_byte = _nnls(rows, targets, scales)
     sources = dict(profile.sources)
