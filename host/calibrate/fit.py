@@ -139,7 +139,7 @@ def calibrate_profile(
 FLOP_RATE_CAP_PER_S = 1e14  # a class whose time the fit puts wholly in the overhead gets this rate
 TRANSFER_RATE_CAP_BYTES_PER_S = 1e13  # a direction whose time the fit puts wholly in the latency gets this rate
 TRANSFER_SIZE_SPREAD = 1.5  # transfers whose sizes span less than this factor fit one scale factor, not two terms
-SHRINK_WEIGHT = 0.01  # how strongly a class's own node overhead is pulled towards 0 (the direction's takes the rest)
+SHRINK_WEIGHT = 0.01  # how strongly a class's own node overhead and traffic cost are pulled towards 0 (the direction's take the rest)
 WARMUP_STEPS = 1  # a run's first steps are left out (allocator and cache warm-up)
 TRANSFER_OVERLAP_SHARES = tuple(share / 10 for share in range(10, -1, -1))  # tried from 1 (all hidden) to 0
 
@@ -220,11 +220,14 @@ def compute_features(node, traffic_bytes: float) -> dict[tuple[str, str, str], f
 
     Terms: "node" (the direction's fixed cost per compute: the executor's call), "class_node" (this op class's
     fixed cost on top: a kernel's set-up, which makes a small conv far slower than its FLOPs say), "op" (per aten
-    op), "bytes" (tensor traffic) and "flops" (1 / the class's rate).
+    op), "bytes" (tensor traffic), "class_bytes" (this op class's time per traffic byte on top: measured here, a
+    convolution's time follows its tensors' size more than its FLOPs, 0.25-0.75 ms for 2e6-4e7 FLOPs) and "flops"
+    (1 / the class's rate). The class terms are shrunk weakly towards 0, so the direction's take what classes share.
     """
     direction = "bwd" if node.kind == "bwd" else "fwd"
     features = {("node", direction, ""): 1.0, ("class_node", direction, node.op_class): 1.0,
-                ("op", direction, ""): float(node.op_count), ("bytes", direction, ""): traffic_bytes}
+                ("op", direction, ""): float(node.op_count), ("bytes", direction, ""): traffic_bytes,
+                ("class_bytes", direction, node.op_class): traffic_bytes}
     if node.flops > 0:
         features[("flops", direction, node.op_class)] = float(node.flops)
     return features
@@ -290,9 +293,11 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
         rows.append(row)
         targets.append(seconds)
         scales.append(step_compute_s)
-    x = _nnls(rows, targets, scales, shrink=[i for (term, _, _), i in index.items() if term == "class_node"])
+    x = _nnls(rows, targets, scales,
+              shrink=[i for (term, _, _), i in index.items() if term in ("class_node", "class_bytes")])
     rates = {"fwd": dict(profile.flops_per_s), "bwd": dict(profile.bwd_flops_per_s or {})}
     class_overheads: dict[str, dict[str, float]] = {}
+    class_bytes: dict[str, dict[str, float]] = {}
     for (term, direction, op_class), i in index.items():
         if term == "node":
             changes[f"{direction}_node_overhead_s"] = float(x[i])
@@ -301,6 +306,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
                 class_overheads.setdefault(direction, {})[op_class] = float(x[i])
         elif term == "op":
             changes[f"{direction}_op_overhead_s"] = float(x[i])
+        elif term == "class_bytes":
+            if x[i] > 1e-15:  # below a nanosecond per megabyte: the solver's round-off
+                class_bytes.setdefault(direction, {})[op_class] = float(x[i])
         elif term == "bytes":
             changes[f"{direction}_memory_bytes_per_s"] = 1.0 / float(x[i]) if x[i] > 0 else None
         else:
@@ -314,7 +322,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
     changes["flops_per_s"] = rates["fwd"]
     changes["bwd_flops_per_s"] = rates["bwd"] or None
     changes["class_node_overhead_s"] = class_overheads or None
-    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s"):
+    changes["class_seconds_per_byte"] = class_bytes or None
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s",
+                "class_seconds_per_byte"):
         sources[f"compute.{key}"] = f"{note}: least squares on step-relative error"
 
     for kind, observed in transfers.items():

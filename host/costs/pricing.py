@@ -40,7 +40,8 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
                            dtype=np.float64)
     overhead_s = np.array([profile.node_overhead_s_for(node.kind, node.op_count, node.op_class) for node in graph.nodes],
                           dtype=np.float64)
-    memory_s_per_byte = np.array([1.0 / rate if (rate := profile.memory_bytes_per_s_for(node.kind)) else 0.0
+    memory_s_per_byte = np.array([(1.0 / rate if (rate := profile.memory_bytes_per_s_for(node.kind)) else 0.0)
+                                  + profile.class_seconds_per_byte_for(node.kind, node.op_class)
                                   for node in graph.nodes], dtype=np.float64)
 
     compute_s = overhead_s + flops / flops_per_s + node_traffic_bytes(graph) * memory_s_per_byte

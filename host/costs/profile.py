@@ -30,6 +30,8 @@ Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profil
       "node_overhead_s": {"fwd": ..., "bwd": ...},  # seconds per node compute (the executor's call)
       "class_node_overhead_s": {"fwd": {"conv": ...}, "bwd": {...}},  # plus this per compute of a class's node
                                                     # (a kernel's fixed cost: a small conv is far from its FLOP rate)
+      "class_seconds_per_byte": {"fwd": {"conv": ...}, "bwd": {...}},  # plus this per byte of a class's node
+                                                    # traffic (a conv's time follows its tensors more than its FLOPs)
       "op_overhead_s": {"fwd": ..., "bwd": ...},    # seconds per aten op a node runs (dispatch)
       "memory_bytes_per_s": {"fwd": ..., "bwd": ...}  # a node's output + input bytes at this rate
     },
@@ -98,6 +100,8 @@ class PlatformProfile:
     fwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
     bwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
     class_node_overhead_s: dict[str, dict[str, float]] | None = None  # "fwd"|"bwd" -> op_class -> fixed seconds
+    # "fwd"|"bwd" -> op_class -> seconds per byte of the node's traffic, on top of the direction's memory rate
+    class_seconds_per_byte: dict[str, dict[str, float]] | None = None
     # per compute of a node of that class, on top of the direction's node overhead
     fwd_memory_bytes_per_s: float | None = None  # a fwd/loss compute's output and input bytes move at this rate
     bwd_memory_bytes_per_s: float | None = None  # the same for a bwd compute
@@ -135,6 +139,11 @@ class PlatformProfile:
             seconds += param_bytes / self.optimizer_bytes_per_s
         return seconds
 
+    def class_seconds_per_byte_for(self, kind: str, op_class: str) -> float:
+        """Seconds per traffic byte that a ``kind`` node of ``op_class`` pays on top of its direction's memory rate."""
+        direction = "bwd" if kind == "bwd" else "fwd"
+        return (self.class_seconds_per_byte or {}).get(direction, {}).get(op_class, 0.0)
+
     def memory_bytes_per_s_for(self, kind: str) -> float | None:
         """Rate at which a ``kind`` node's tensors move through memory; None: not priced."""
         return self.bwd_memory_bytes_per_s if kind == "bwd" else self.fwd_memory_bytes_per_s
@@ -153,6 +162,8 @@ class PlatformProfile:
             compute["op_overhead_s"] = {"fwd": self.fwd_op_overhead_s, "bwd": self.bwd_op_overhead_s}
         if self.class_node_overhead_s:
             compute["class_node_overhead_s"] = {kind: dict(values) for kind, values in self.class_node_overhead_s.items()}
+        if self.class_seconds_per_byte:
+            compute["class_seconds_per_byte"] = {kind: dict(values) for kind, values in self.class_seconds_per_byte.items()}
         rates = {kind: rate for kind, rate in (("fwd", self.fwd_memory_bytes_per_s),
                                                ("bwd", self.bwd_memory_bytes_per_s)) if rate is not None}
         if rates:
@@ -212,7 +223,7 @@ _TOP_KEYS = (
     "sources",
 )
 _COMPUTE_KEYS = ("flops_per_s", "energy_per_flop_j", "compute_power_w", "bwd_flops_per_s", "node_overhead_s",
-                 "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s")
+                 "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s", "class_seconds_per_byte")
 _STEP_SECONDS_KEYS = ("optimizer_overhead_s", "optimizer_tensor_overhead_s", "instruction_overhead_s", "step_overhead_s",
                       "free_ram_s", "free_flash_s")
 _STEP_KEYS = ("optimizer_bytes_per_s", *_STEP_SECONDS_KEYS, "transfer_overlap")
@@ -244,7 +255,8 @@ def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CL
     paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
     paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
     paths += ["compute.bwd_flops_per_s", *(f"compute.bwd_flops_per_s.{c}" for c in flops_classes)]
-    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s"):
+    for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s",
+                "class_seconds_per_byte"):
         paths += [f"compute.{key}", f"compute.{key}.fwd", f"compute.{key}.bwd"]
     paths += ["step", *(f"step.{key}" for key in _STEP_KEYS), "idle_power_w"]
     return tuple(paths)
@@ -336,16 +348,18 @@ class _Validator:
         node_overhead_s = per_direction("node_overhead_s", "seconds", False)
         op_overhead_s = per_direction("op_overhead_s", "seconds", False)
         memory_bytes_per_s = per_direction("memory_bytes_per_s", "bytes per second", True)
-        class_node_overhead_s = None
-        if compute.get("class_node_overhead_s") is not None:
-            by_direction = self._object(compute["class_node_overhead_s"], "compute.class_node_overhead_s",
-                                        ("fwd", "bwd"), ())
-            class_node_overhead_s = {
-                kind: {op_class: self._number(value, f"compute.class_node_overhead_s.{kind}.{op_class}", "seconds",
-                                              positive=False)
-                       for op_class, value in self._object(values, f"compute.class_node_overhead_s.{kind}",
+        def per_class(key: str, unit: str) -> dict[str, dict[str, float]] | None:
+            if compute.get(key) is None:
+                return None
+            by_direction = self._object(compute[key], f"compute.{key}", ("fwd", "bwd"), ())
+            return {
+                kind: {op_class: self._number(value, f"compute.{key}.{kind}.{op_class}", unit, positive=False)
+                       for op_class, value in self._object(values, f"compute.{key}.{kind}",
                                                            (DEFAULT_OP_CLASS, *OP_CLASSES), ()).items()}
                 for kind, values in by_direction.items()}
+
+        class_node_overhead_s = per_class("class_node_overhead_s", "seconds")
+        class_seconds_per_byte = per_class("class_seconds_per_byte", "seconds per byte")
         step = self._object(data.get("step", {}), "step", _STEP_KEYS, ())
         optimizer_bytes_per_s = (
             self._number(step["optimizer_bytes_per_s"], "step.optimizer_bytes_per_s", "bytes per second", positive=True)
@@ -406,6 +420,7 @@ class _Validator:
             fwd_op_overhead_s=op_overhead_s.get("fwd", 0.0),
             bwd_op_overhead_s=op_overhead_s.get("bwd", 0.0),
             class_node_overhead_s=class_node_overhead_s,
+            class_seconds_per_byte=class_seconds_per_byte,
             fwd_memory_bytes_per_s=memory_bytes_per_s.get("fwd"),
             bwd_memory_bytes_per_s=memory_bytes_per_s.get("bwd"),
             optimizer_bytes_per_s=optimizer_bytes_per_s,
