@@ -139,7 +139,8 @@ def calibrate_profile(
 FLOP_RATE_CAP_PER_S = 1e14  # a class whose time the fit puts wholly in the overhead gets this rate
 TRANSFER_RATE_CAP_BYTES_PER_S = 1e13  # a direction whose time the fit puts wholly in the latency gets this rate
 TRANSFER_SIZE_SPREAD = 1.5  # transfers whose sizes span less than this factor fit one scale factor, not two terms
-SHRINK_WEIGHT = 0.01  # how strongly a class's own node overhead and traffic cost are pulled towards 0 (the direction's take the rest)
+# how strongly a class's own fixed and traffic costs are pulled towards 0 (the direction's take the rest)
+SHRINK_WEIGHT = 0.01
 WARMUP_STEPS = 1  # a run's first steps are left out (allocator and cache warm-up)
 TRANSFER_OVERLAP_SHARES = tuple(share / 10 for share in range(10, -1, -1))  # tried from 1 (all hidden) to 0
 
@@ -383,8 +384,8 @@ def _squared_step_error(profile: PlatformProfile, runs: Sequence[CalibrationRun]
 
 def _fit_optimizer(steps: list[tuple[list[float], float]]) -> dict[str, float | None]:
     """The optimizer step's fixed cost, cost per parameter tensor and throughput (bytes per second, None when the
-    bytes explain none of it) from ([1, tensors, bytes], median seconds) per run; the throughput's column is shrunk weakly
-    towards 0, so that where the runs cannot tell bytes from tensors (two models, few tensors) the tensors take the
+    bytes explain none of it) from ([1, tensors, bytes], median seconds) per run; the throughput's column is shrunk
+    weakly towards 0, so that where the runs cannot tell bytes from tensors (two models, few tensors) the tensors take the
     time: measured here, mlp's 6 tensors 0.18 ms, resnet18_cifar's 47 tensors 0.80 ms, and a 7-tensor CNN of 6 KB
     0.24-0.31 ms, which bytes alone priced at 0.01 ms."""
     fixed_s, per_tensor_s, per_byte_s = _nnls([row for row, _ in steps], [seconds for _, seconds in steps], shrink=[2])
@@ -403,12 +404,12 @@ def _fit_step_remainder(profile: PlatformProfile, runs: Sequence[CalibrationRun]
     Runs, not steps, are then the rows: three schedules per model give enough of them."""
     rows, targets, scales = [], [], []
     for run in runs:
-        instructions = run.schedule.instructions
-        transfers = [i for i in instructions if i.kind in ("page_in", "page_out")]
-        transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in transfers)
         measured_s = _median_measured(run, "duration_s", warmup_steps)
         if not measured_s or measured_s <= 0:
             continue
+        instructions = run.schedule.instructions
+        transfers = [i for i in instructions if i.kind in ("page_in", "page_out")]
+        transfer_bytes = sum(int(run.graph.nodes[i.node].output_bytes) for i in transfers)
         priced_s, _ = predict_step(profile, run.graph, run.schedule)
         rows.append([1.0, float(len(instructions)), float(len(transfers)), float(transfer_bytes)])
         targets.append(measured_s - priced_s)

@@ -100,9 +100,9 @@ class PlatformProfile:
     fwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a fwd/loss compute (dispatch)
     bwd_op_overhead_s: float = 0.0  # fixed seconds per aten op of a bwd compute
     class_node_overhead_s: dict[str, dict[str, float]] | None = None  # "fwd"|"bwd" -> op_class -> fixed seconds
+    # per compute of a node of that class, on top of the direction's node overhead
     # "fwd"|"bwd" -> op_class -> seconds per byte of the node's traffic, on top of the direction's memory rate
     class_seconds_per_byte: dict[str, dict[str, float]] | None = None
-    # per compute of a node of that class, on top of the direction's node overhead
     fwd_memory_bytes_per_s: float | None = None  # a fwd/loss compute's output and input bytes move at this rate
     bwd_memory_bytes_per_s: float | None = None  # the same for a bwd compute
     optimizer_bytes_per_s: float | None = None  # optimizer step throughput over trainable parameter bytes
@@ -348,6 +348,7 @@ class _Validator:
         node_overhead_s = per_direction("node_overhead_s", "seconds", False)
         op_overhead_s = per_direction("op_overhead_s", "seconds", False)
         memory_bytes_per_s = per_direction("memory_bytes_per_s", "bytes per second", True)
+
         def per_class(key: str, unit: str) -> dict[str, dict[str, float]] | None:
             if compute.get(key) is None:
                 return None

@@ -148,7 +148,8 @@ def test_the_fit_recovers_a_board_that_the_papers_model_cannot_describe():
     assert set(fitted.class_node_overhead_s["fwd"]) == {"matmul"}  # the others cost the direction's overhead
     assert fitted.fwd_op_overhead_s == pytest.approx(3e-5, rel=1e-2)
     assert fitted.bwd_memory_bytes_per_s == pytest.approx(3e9, rel=2e-2)
-    for direction, rate in (("fwd", 5e9), ("bwd", 3e9)):  # a class's own traffic cost: a small share of the direction's
+    # a class's own traffic cost: a small share of the direction's
+    for direction, rate in (("fwd", 5e9), ("bwd", 3e9)):
         assert all(seconds < 0.2 / rate for seconds in (fitted.class_seconds_per_byte or {}).get(direction, {}).values())
     # one model: its optimizer steps cost what the truth's do, however the fit splits them among its terms
     assert fitted.optimizer_step_s(graph.param_bytes, graph.param_tensors) == pytest.approx(
