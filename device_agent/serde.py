@@ -206,7 +206,7 @@ def partition_spec_from_proto(grouping, schedule: Schedule):
 
 
 _INSTRUCTION_FIELDS = ("step", "position", "node", "node_name", "node_kind", "duration_s", "bytes_moved",
-                       "ram_in_use_bytes", "rss_bytes", "recompute", "cpu_s", "energy_source")
+                       "ram_in_use_bytes", "rss_bytes", "recompute", "cpu_s", "energy_source", "compute_thread_s")
 _STEP_FIELDS = ("step", "duration_s", "loss", "peak_tracked_bytes", "peak_pinned_bytes", "ram_budget_bytes",
                 "fixed_bytes", "computes", "recomputes", "page_ins", "page_outs", "frees", "bytes_paged_out",
                 "bytes_paged_in", "compute_s", "paging_s", "optimizer_s", "cpu_s", "energy_source", "rss_peak_bytes",

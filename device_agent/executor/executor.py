@@ -395,6 +395,8 @@ class ScheduleExecutor:
         runtime.moved.clear()
         runtime.metered.clear()
         runtime.transfer_s.clear()
+        runtime.started_s.clear()
+        runtime.finished_s.clear()
         clock_s = [0.0] * (len(self.ops) + 1)
         rss_start = self.rss.rss_bytes()
         rss = [rss_start]
@@ -410,7 +412,7 @@ class ScheduleExecutor:
         paging_s = sum(s for position, s in runtime.transfer_s.items() if ops[position].kind != "free")
         compute_s = 0.0
         for position in lowered.compute_positions:
-            compute_s += clock_s[position + 1] - clock_s[position]
+            compute_s += lowered.instruction_s(position, clock_s)
         counters = self._lowered_counters
         if runtime.moved:  # page transfers: the same bytes every step of a shape, else a counters object of its own
             paged_out = sum(moved for position, moved in runtime.moved.items() if ops[position].kind == "page_out")
@@ -434,7 +436,9 @@ class ScheduleExecutor:
         emit = self.events.emit
         for position, op in enumerate(self.ops):
             # a page transfer's own time (it overlaps the instructions before it), else the program's clock
-            duration_s = runtime.transfer_s.get(position, clock_s[position + 1] - clock_s[position])
+            duration_s = runtime.transfer_s.get(position)
+            if duration_s is None:
+                duration_s = lowered.instruction_s(position, clock_s)
             moved = runtime.moved.get(position, notes.moved_bytes[position])
             energy_j, source, cpu_s = None, "", None
             metered = runtime.metered.get(position)
@@ -445,7 +449,8 @@ class ScheduleExecutor:
             node = nodes[op.node]
             emit(InstructionEvent(
                 step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s, int(moved),
-                lowered.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source))
+                lowered.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source,
+                compute_thread_s=runtime.compute_thread_s(position) if op.kind != "free" else None))
 
     def _plain_run(self, index: int, recompute: bool, *fed: torch.Tensor) -> tuple:
         """A node no backward reads, as the interpreted step runs it (RNG replayed, buffers left alone on a

@@ -24,7 +24,7 @@ The generated source is kept on :attr:`LoweredStep.source`, to be read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -79,7 +79,9 @@ class LoweringRuntime:
     takes tracked RAM above the step's peak as interpreted (nor above the budget). One thread runs every
     transfer and delete in program order, so the page store sees them one at a time, as when interpreted.
     Each transfer's own time and meter readings are taken in that thread: telemetry reports what the flash
-    did, not how long the program waited.
+    did, not how long the program waited. What a transfer costs the compute thread is timed there apart: the
+    call that starts it (a page-out builds its entry), and the call that takes its result, beyond the time it
+    waited for the transfer itself (the I/O thread's meter reading after it, the hand-back, the wake-up).
     """
 
     def __init__(self, partition: Partition, pages, meter_read: Callable, rss: Callable[[], int]) -> None:
@@ -90,12 +92,17 @@ class LoweringRuntime:
         self.moved: dict[int, int] = {}  # position -> bytes a page transfer or delete moved
         self.metered: dict[int, tuple] = {}  # position -> (before, after) meter readings around a transfer
         self.transfer_s: dict[int, float] = {}  # position -> seconds the transfer itself took
-        self._writes: dict[int, Future] = {}  # node -> its page-out in flight
-        self._reads: dict[int, Future] = {}  # node -> its page-in in flight
+        self.started_s: dict[int, float] = {}  # position -> seconds of the compute thread starting the transfer
+        # position -> seconds of the compute thread taking the transfer's result, beyond waiting for the transfer
+        self.finished_s: dict[int, float] = {}
+        self._ended_at: dict[int, float] = {}  # position -> perf_counter when the transfer itself ended
+        self._writes: dict[int, tuple[int, Future]] = {}  # node -> (position, its page-out in flight)
+        self._reads: dict[int, tuple[int, Future]] = {}  # node -> (position, its page-in in flight)
         self._pending: list[Future] = []  # deletes
         self._io: ThreadPoolExecutor | None = None
 
     def start_page_out(self, position: int, node: int, names: tuple[str, ...], outputs: tuple, saved: tuple) -> None:
+        called = time.perf_counter()
         builder = EntryBuilder(node)
         for name, tensor in zip(names, outputs, strict=True):
             builder.add_named(name, tensor)
@@ -103,17 +110,33 @@ class LoweringRuntime:
             builder.add(tensor)
         entry = builder.build()
         name = self.partition.nodes[node].name
-        self._writes[node] = self._submit(position, lambda: self.pages.write(node, name, entry))
+        self._writes[node] = (position, self._submit(position, lambda: self.pages.write(node, name, entry)))
+        self.started_s[position] = time.perf_counter() - called
 
     def finish_page_out(self, node: int) -> None:
-        self._writes.pop(node).result()
+        self._finish(*self._writes.pop(node))
 
     def start_page_in(self, position: int, node: int) -> None:
-        self._reads[node] = self._submit(position, lambda: self.pages.read(node))
+        called = time.perf_counter()
+        self._reads[node] = (position, self._submit(position, lambda: self.pages.read(node)))
+        self.started_s[position] = time.perf_counter() - called
 
     def finish_page_in(self, node: int):
-        entry, _ = self._reads.pop(node).result()
+        entry, _ = self._finish(*self._reads.pop(node))
         return entry
+
+    def compute_thread_s(self, position: int) -> float | None:
+        """Seconds of the compute thread a transfer took (starting it, and taking its result beyond waiting for
+        it); None for an instruction that is not a transfer this step ran."""
+        if position not in self.started_s:
+            return None
+        return self.started_s[position] + self.finished_s.get(position, 0.0)
+
+    def _finish(self, position: int, future: Future):
+        called = time.perf_counter()
+        result = future.result()
+        self.finished_s[position] = max(time.perf_counter() - max(called, self._ended_at[position]), 0.0)
+        return result
 
     def free_flash(self, position: int, node: int) -> None:
         def delete() -> int:
@@ -125,7 +148,7 @@ class LoweringRuntime:
 
     def drain(self) -> None:
         """Wait for every transfer and delete; re-raise the first failure."""
-        futures = [*self._writes.values(), *self._reads.values(), *self._pending]
+        futures = [future for _, future in (*self._writes.values(), *self._reads.values())] + self._pending
         self._writes.clear()
         self._reads.clear()
         self._pending.clear()
@@ -148,7 +171,8 @@ class LoweringRuntime:
             before = self.meter_read()
             started = time.perf_counter()
             result = transfer()
-            self.transfer_s[position] = time.perf_counter() - started
+            self._ended_at[position] = ended = time.perf_counter()
+            self.transfer_s[position] = ended - started
             self.metered[position] = (before, self.meter_read())
             self.moved[position] = result if isinstance(result, int) else result[1]
             return result
@@ -172,6 +196,16 @@ class LoweredStep:
     peak_tracked_bytes: int
     compute_positions: tuple[int, ...]
     in_use_bytes: tuple[int, ...]  # tracked RAM after each instruction: the interpreted step's, plus prefetches
+    # position -> the transfers started early beside it (prefetches before it, page-outs after it), which its
+    # clock reading includes
+    early_starts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def instruction_s(self, position: int, clock_s: Sequence[float]) -> float:
+        """Seconds of the compute thread the instruction at ``position`` took in a run that read ``clock_s``,
+        without the starting of transfers that run beside it (theirs, in ``runtime.started_s``)."""
+        started = self.runtime.started_s
+        return (clock_s[position + 1] - clock_s[position]
+                - sum(started.get(transfer, 0.0) for transfer in self.early_starts.get(position, ())))
 
 
 class _Source:
@@ -291,8 +325,11 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     source = "def lowered_step(inputs, labels, divisor, clock_s, rss):\n" + "\n".join(src.lines) + "\n"
     code = compile(source, f"<lowered step of {partition.name}>", "exec")
     exec(code, ns)  # noqa: S102 - the program is generated here from the validated schedule
+    early_starts = {position: tuple((*reads_before.get(position, ()), *writes_after.get(position, ())))
+                    for position in {*reads_before, *writes_after}}
     return LoweredStep(source, ns["lowered_step"], runtime, notes, rss_position, peak,
-                       tuple(position for position, op in enumerate(ops) if op.kind == "compute"), tuple(in_use))
+                       tuple(position for position, op in enumerate(ops) if op.kind == "compute"), tuple(in_use),
+                       early_starts)
 
 
 def _tuple(items: list[str]) -> str:

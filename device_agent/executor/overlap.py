@@ -69,7 +69,7 @@ def transfer_starts(ops: Sequence[Op], in_use: list[int], ram_budget_bytes: floa
 
 def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Sequence[int], ram_budget_bytes: float,
                       overlap: bool = True, workspace: Sequence[int] | None = None,
-                      hidden_share: float = 1.0) -> float:
+                      hidden_share: float = 1.0, compute_thread_s: Sequence[float] | None = None) -> float:
     """Seconds from a step's first instruction to its last transfer's end, when instruction ``i`` takes
     ``seconds[i]``: computes and RAM frees on the compute thread, page transfers and flash frees on the one I/O
     thread, in program order.
@@ -82,11 +82,16 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
     ``hidden_share`` (0 to 1) is the share of a transfer's time that really runs beside compute: 1 where the I/O
     thread has a core of its own; below 1 where it shares the compute's core (or the interpreter lock) with it, so
     the rest of each transfer's time also holds the compute thread back. 0 gives the plain sum.
+
+    ``compute_thread_s[i]`` (transfers; 0 elsewhere) is what transfer ``i`` costs the compute thread besides its
+    own time ``seconds[i]`` (telemetry's ``compute_thread_s``): a page-out's before its write starts (building its
+    entry), a page-in's once its read has ended (taking the result). Never hidden.
     """
     if not 0.0 <= hidden_share <= 1.0:
         raise ValueError(f"hidden_share must be between 0 and 1, got {hidden_share!r}")
+    thread_s = compute_thread_s if compute_thread_s is not None else [0.0] * len(seconds)
     if not overlap or hidden_share == 0.0:
-        return float(sum(seconds))
+        return float(sum(seconds) + sum(thread_s))
     stolen_share = 1.0 - hidden_share
     writes_after, reads_before = transfer_starts(ops, list(in_use), ram_budget_bytes, workspace)
     compute_clock_s = io_clock_s = 0.0
@@ -96,6 +101,8 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
 
     def submit(position: int) -> None:
         nonlocal io_clock_s, compute_clock_s
+        if ops[position].kind == "page_out":
+            compute_clock_s += thread_s[position]
         io_clock_s = max(io_clock_s, compute_clock_s) + seconds[position]
         done_s[position] = io_clock_s
         compute_clock_s += stolen_share * seconds[position]  # what the transfer takes from the compute thread
@@ -111,7 +118,7 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
         elif op.kind == "page_in":
             if position not in started:
                 submit(position)
-            compute_clock_s = max(compute_clock_s, done_s[position])
+            compute_clock_s = max(compute_clock_s, done_s[position]) + thread_s[position]
         elif op.kind == "free" and op.location == "flash":
             submit(position)
         else:

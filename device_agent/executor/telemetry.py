@@ -45,6 +45,10 @@ class InstructionEvent:
     # None and "" without a meter. Disjoint intervals inside the step: they sum to at most its energy.
     energy_j: float | None = None
     energy_source: str = ""
+    # Page transfers of a lowered step: seconds of the compute thread the transfer took besides its own time
+    # (``duration_s``, on the I/O thread): starting it (a page-out builds its entry) and taking its result,
+    # beyond waiting for the transfer itself. None where not timed (other instructions, interpreted steps).
+    compute_thread_s: float | None = None
     type: str = "instruction"
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ run once in every schedule. Per-node fixed costs (dispatch, the executor's own b
 into the rate, so the fitted rates price nodes as the executor runs them.
 
 Paging time: each direction's latency and 1/throughput are scaled by one factor, the measured seconds
-over the seconds the profile predicts for the same transfers and bytes.
+over the seconds the profile predicts for the same transfers and bytes. Where the board timed what a transfer
+costs the compute thread besides its own time (telemetry's ``compute_thread_s``: starting it, taking its result),
+its median per direction is priced apart, as time the overlap never hides.
 
 Paging energy: where the CPU works during a transfer (copying, checksumming), an energy meter that
 charges CPU time (``modelled:cpu-time×power``) charges paging for it too. Given the CPU's watts per
@@ -246,6 +248,7 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
 
     samples: list[tuple[dict, float, float]] = []  # (features, median node seconds, the run's step compute s)
     transfers = {"page_in": [], "page_out": []}  # (bytes, seconds)
+    compute_thread_s = {"page_in": [], "page_out": []}  # seconds of the compute thread per transfer, where timed
     # per run: ([1, parameter tensors, parameter bytes], median optimizer seconds)
     optimizer_steps: list[tuple[list[float], float]] = []
     frees = {"ram": [], "flash": []}
@@ -267,6 +270,8 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
                 per_step_compute_s[step] = per_step_compute_s.get(step, 0.0) + seconds
             elif kind in transfers and seconds > 0:
                 transfers[kind].append((float(event.get("bytes_moved", 0)), seconds))
+                if event.get("compute_thread_s") is not None:
+                    compute_thread_s[kind].append(float(event["compute_thread_s"]))
             elif kind == "free":
                 location = str(event.get("location", "ram")).lower().removeprefix("location_")
                 frees["flash" if location == "flash" else "ram"].append(seconds)
@@ -338,6 +343,10 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
         changes.update(fitted)
         for key in ("latency_s", "throughput_bytes_per_s"):
             sources[f"{kind}.{key}"] = f"{note}: {how} over {len(observed)} transfers"
+        if compute_thread_s[kind]:
+            changes[f"{kind}_compute_thread_s"] = statistics.median(compute_thread_s[kind])
+            sources[f"{kind}.compute_thread_s"] = (f"{note}: median of {len(compute_thread_s[kind])} transfers' time "
+                                                   "on the compute thread")
     if optimizer_steps:
         changes.update(_fit_optimizer(optimizer_steps))
         for key in ("optimizer_overhead_s", "optimizer_tensor_overhead_s", "optimizer_bytes_per_s"):

@@ -24,10 +24,17 @@ class PricedGraph:
     page_out_s: np.ndarray
     page_out_j: np.ndarray
     transfer_overlap: float = 1.0  # share of a page transfer's time hidden behind compute (PlatformProfile's)
+    # seconds of each page-in's / page-out's price that hold the compute thread (never hidden; PlatformProfile's)
+    page_in_compute_thread_s: float = 0.0
+    page_out_compute_thread_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.transfer_overlap <= 1.0:
             raise ValueError(f"PricedGraph.transfer_overlap must be between 0 and 1, got {self.transfer_overlap!r}")
+        for kind in ("page_in", "page_out"):
+            thread_s = getattr(self, f"{kind}_compute_thread_s")
+            if not 0.0 <= thread_s < float("inf"):
+                raise ValueError(f"PricedGraph.{kind}_compute_thread_s must be finite and non-negative, got {thread_s!r}")
         size = self.graph.size
         for field_name in ("compute_s", "compute_j", "page_in_s", "page_in_j", "page_out_s", "page_out_j"):
             values = np.asarray(getattr(self, field_name), dtype=np.float64)
@@ -58,9 +65,12 @@ class PricedGraph:
         seconds = self.instruction_seconds(instructions, free_ram_s, free_flash_s)
         if not any(i.kind == "page_in" for i in instructions):  # nothing to hide behind compute
             return float(sum(seconds))
-        return overlapped_step_s(instructions, seconds, ram_timeline_bytes, ram_budget_bytes or 0.0,
+        thread = {"page_in": self.page_in_compute_thread_s, "page_out": self.page_out_compute_thread_s}
+        thread_s = [min(thread.get(i.kind, 0.0), s) for i, s in zip(instructions, seconds, strict=True)]
+        io_s = [s - t for s, t in zip(seconds, thread_s, strict=True)]  # what the I/O thread runs
+        return overlapped_step_s(instructions, io_s, ram_timeline_bytes, ram_budget_bytes or 0.0,
                                  workspace=instruction_workspace_bytes(self.graph.nodes, instructions),
-                                 hidden_share=self.transfer_overlap)
+                                 hidden_share=self.transfer_overlap, compute_thread_s=thread_s)
 
     @property
     def base_compute_j(self) -> float:

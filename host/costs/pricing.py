@@ -9,6 +9,7 @@ Per node i (power_computation.py of POET):
   ``flop / FLOPS_PER_WATT``; dividing by the FLOP-per-joule figure, rather than multiplying by its
   reciprocal, reproduces the paper's floats bit for bit), else compute_s x compute_power_w
 * page_out_s = page_out_latency_s + output_bytes / page_out_throughput_bytes_per_s
+  (+ page_out_compute_thread_s, a calibrated profile's time of the compute thread per transfer)
   page_out_j = page_out_s x memory_power_w, and page_in likewise. A node with 0 output bytes still
   pays the latency, as in the paper.
 """
@@ -50,8 +51,10 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
     else:
         compute_j = compute_s * profile.compute_power_w
 
-    page_out_s = profile.page_out_latency_s + output_bytes / profile.page_out_throughput_bytes_per_s
-    page_in_s = profile.page_in_latency_s + output_bytes / profile.page_in_throughput_bytes_per_s
+    page_out_s = (profile.page_out_latency_s + output_bytes / profile.page_out_throughput_bytes_per_s
+                  + profile.page_out_compute_thread_s)
+    page_in_s = (profile.page_in_latency_s + output_bytes / profile.page_in_throughput_bytes_per_s
+                 + profile.page_in_compute_thread_s)
     return PricedGraph(
         graph=graph,
         platform=profile.name,
@@ -64,4 +67,6 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
         page_out_s=page_out_s,
         page_out_j=page_out_s * profile.memory_power_w,
         transfer_overlap=profile.transfer_overlap,
+        page_in_compute_thread_s=profile.page_in_compute_thread_s,
+        page_out_compute_thread_s=profile.page_out_compute_thread_s,
     )

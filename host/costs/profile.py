@@ -15,7 +15,7 @@ Schema (version 1), units in every key::
         "compute_power_w": 3.0
       },
       "page_in":  {"latency_s": ..., "throughput_bytes_per_s": ...},
-      "page_out": {"latency_s": ..., "throughput_bytes_per_s": ...},
+      "page_out": {"latency_s": ..., "throughput_bytes_per_s": ...},   # each may add "compute_thread_s" (below)
       "memory_power_w": 0.15,
       "board_power_w": 3.0,
       "bytes_per_element": 4,
@@ -42,6 +42,8 @@ Optional, written by a calibration (``host/calibrate/fit.py``); absent, a profil
              "transfer_overlap": ...},                # share of a page transfer's time hidden behind compute,
                                                     # 0 to 1 (absent: 1, an I/O thread with a core of its own)
     "idle_power_w": ...                             # drawn outside computes and transfers (metered)
+    "page_in": {..., "compute_thread_s": ...}       # seconds a transfer holds the compute thread besides its own
+    "page_out": {..., "compute_thread_s": ...}      # time on the I/O thread (never hidden behind compute)
 """
 
 from __future__ import annotations
@@ -115,6 +117,10 @@ class PlatformProfile:
     transfer_overlap: float = 1.0  # share of a page transfer's time that runs behind compute (1: the I/O thread
     # has a core of its own; less where it shares the compute's core or the interpreter lock)
     idle_power_w: float | None = None  # drawn outside computes and transfers (a meter's fit)
+    # seconds of the compute thread a transfer takes besides its own time on the I/O thread (starting it, taking
+    # its result): added to the transfer's price, and never hidden behind compute
+    page_in_compute_thread_s: float = 0.0
+    page_out_compute_thread_s: float = 0.0
 
     def flops_per_s_for(self, op_class: str, kind: str = "fwd") -> float:
         """Throughput for ``op_class`` (of a ``kind`` fwd/loss/bwd node), falling back to the "default" entry."""
@@ -187,10 +193,12 @@ class PlatformProfile:
             "page_in": {
                 "latency_s": self.page_in_latency_s,
                 "throughput_bytes_per_s": self.page_in_throughput_bytes_per_s,
+                **({"compute_thread_s": self.page_in_compute_thread_s} if self.page_in_compute_thread_s else {}),
             },
             "page_out": {
                 "latency_s": self.page_out_latency_s,
                 "throughput_bytes_per_s": self.page_out_throughput_bytes_per_s,
+                **({"compute_thread_s": self.page_out_compute_thread_s} if self.page_out_compute_thread_s else {}),
             },
             "memory_power_w": self.memory_power_w,
             "board_power_w": self.board_power_w,
@@ -228,6 +236,7 @@ _STEP_SECONDS_KEYS = ("optimizer_overhead_s", "optimizer_tensor_overhead_s", "in
                       "free_ram_s", "free_flash_s")
 _STEP_KEYS = ("optimizer_bytes_per_s", *_STEP_SECONDS_KEYS, "transfer_overlap")
 _PAGE_KEYS = ("latency_s", "throughput_bytes_per_s")
+_PAGE_OPTIONAL_KEYS = ("compute_thread_s",)
 _EXPECTED = {  # what a required field must hold, for error messages
     "schema_version": f"the integer {SCHEMA_VERSION}",
     "name": "a non-empty string",
@@ -253,7 +262,7 @@ def known_field_paths(flops_classes: tuple[str, ...] = (DEFAULT_OP_CLASS, *OP_CL
     paths = ["name", "description", "energy_source", "memory_power_w", "board_power_w", "bytes_per_element"]
     paths += ["compute.flops_per_s", "compute.energy_per_flop_j", "compute.compute_power_w"]
     paths += [f"compute.flops_per_s.{c}" for c in flops_classes]
-    paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in _PAGE_KEYS]
+    paths += [f"{block}.{key}" for block in ("page_in", "page_out") for key in (*_PAGE_KEYS, *_PAGE_OPTIONAL_KEYS)]
     paths += ["compute.bwd_flops_per_s", *(f"compute.bwd_flops_per_s.{c}" for c in flops_classes)]
     for key in ("node_overhead_s", "op_overhead_s", "memory_bytes_per_s", "class_node_overhead_s",
                 "class_seconds_per_byte"):
@@ -301,13 +310,15 @@ class _Validator:
             raise self.fail(f"field {where!r} must be {kind}, got {value!r}")
         return value
 
-    def _page(self, data: Any, block: str) -> tuple[float, float]:
-        data = self._object(data, block, _PAGE_KEYS, _PAGE_KEYS)
+    def _page(self, data: Any, block: str) -> tuple[float, float, float]:
+        data = self._object(data, block, (*_PAGE_KEYS, *_PAGE_OPTIONAL_KEYS), _PAGE_KEYS)
         latency_s = self._number(data["latency_s"], f"{block}.latency_s", "seconds", positive=False)
         throughput = self._number(
             data["throughput_bytes_per_s"], f"{block}.throughput_bytes_per_s", "bytes per second", positive=True
         )
-        return latency_s, throughput
+        compute_thread_s = self._number(data.get("compute_thread_s", 0.0), f"{block}.compute_thread_s", "seconds",
+                                        positive=False)
+        return latency_s, throughput, compute_thread_s
 
     def profile(self, data: Any, path: str | None) -> PlatformProfile:
         required = tuple(k for k in _TOP_KEYS if k not in ("description", "sources", "step", "idle_power_w"))
@@ -377,8 +388,8 @@ class _Validator:
         idle_power_w = (self._number(data["idle_power_w"], "idle_power_w", "watts", positive=False)
                         if data.get("idle_power_w") is not None else None)
 
-        page_in_latency_s, page_in_throughput = self._page(data["page_in"], "page_in")
-        page_out_latency_s, page_out_throughput = self._page(data["page_out"], "page_out")
+        page_in_latency_s, page_in_throughput, page_in_compute_thread_s = self._page(data["page_in"], "page_in")
+        page_out_latency_s, page_out_throughput, page_out_compute_thread_s = self._page(data["page_out"], "page_out")
         memory_power_w = self._number(data["memory_power_w"], "memory_power_w", "watts", positive=False)
         board_power_w = self._number(data["board_power_w"], "board_power_w", "watts", positive=True)
 
@@ -428,6 +439,8 @@ class _Validator:
             **step_seconds,
             transfer_overlap=transfer_overlap,
             idle_power_w=idle_power_w,
+            page_in_compute_thread_s=page_in_compute_thread_s,
+            page_out_compute_thread_s=page_out_compute_thread_s,
         )
 
 

@@ -82,7 +82,7 @@ def instruction_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
     """A stored ``instruction`` payload (proto field names, 64-bit ints as strings, enum names, defaults
     omitted) as the dict :class:`host.calibrate.fit.CalibrationRun` takes."""
     kind = event.get("kind", "INSTRUCTION_KIND_UNSPECIFIED")
-    return {
+    out = {
         "step": int(event.get("step", 0)), "position": int(event.get("position", 0)),
         "kind": _KINDS.get(kind, kind), "node": int(event.get("node", 0)), "node_name": event.get("node_name", ""),
         "node_kind": event.get("node_kind", ""), "recompute": bool(event.get("recompute", False)),
@@ -91,6 +91,9 @@ def instruction_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:
         # a free's RAM or flash (the fit prices page-file deletes apart from RAM frees)
         "location": str(event.get("location", "LOCATION_RAM")).lower().removeprefix("location_"),
     }
+    if event.get("compute_thread_s") is not None:  # a transfer's time on the compute thread, where the board timed it
+        out["compute_thread_s"] = float(event["compute_thread_s"])
+    return out
 
 
 def step_from_payload(event: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,42 @@ def test_lowered_steps_report_what_the_interpreted_step_measured(kind, tmp_path)
         assert result.summary.rss_peak_bytes > 0
 
 
+def test_what_a_transfer_costs_the_compute_thread_is_reported_apart_and_not_charged_to_the_compute_beside_it(
+        tmp_path, monkeypatch):
+    """A page-out started early builds its entry on the compute thread inside another instruction's clock reading:
+    that time belongs to the transfer (``compute_thread_s``), not to the compute it was started beside."""
+    import time
+
+    import device_agent.executor.lowering as lowering
+
+    build_s = 0.03
+
+    class SlowBuilder(lowering.EntryBuilder):
+        def build(self):
+            time.sleep(build_s)
+            return super().build()
+
+    monkeypatch.setattr(lowering, "EntryBuilder", SlowBuilder)
+    current = case("mlp")
+    schedule, _ = schedule_for("mlp", "mixed")  # its page-out starts right after the compute that made its entry
+    events = EventStream(capacity=None)
+    results = run_scheduled(current, schedule, steps=3, optimizer="sgd", flash_dir=tmp_path, events=events)
+    assert [r.lowered for r in results] == [False, True, True]
+    count = len(schedule.instructions)
+    instructions = events.instructions()
+    assert all(e.compute_thread_s is None for e in instructions[:count])  # interpreted: transfers run in place
+    for step, summary in zip((instructions[count:2 * count], instructions[2 * count:]), events.steps()[1:], strict=True):
+        page_outs = [e for e in step if e.kind == "page_out"]
+        page_ins = [e for e in step if e.kind == "page_in"]
+        assert page_outs and page_ins
+        assert all(e.compute_thread_s >= build_s for e in page_outs)
+        assert all(0.0 <= e.compute_thread_s < build_s for e in page_ins)
+        assert all(e.compute_thread_s is None for e in step if e.kind not in ("page_in", "page_out"))
+        # mlp's computes take well under a millisecond each: none carries the 30 ms build
+        assert max(e.duration_s for e in step if e.kind == "compute") < build_s
+        assert summary.compute_s < build_s
+
+
 def test_instrumented_steps_stay_interpreted(tmp_path):
     current = case("mlp")
     schedule, _ = schedule_for("mlp", "remat")

@@ -84,3 +84,23 @@ def test_a_step_never_takes_more_than_the_plain_sum_and_takes_longer_as_less_is_
             steps = [overlapped_step_s(ops, seconds, in_use, 0.0, hidden_share=share) for share in (1.0, 0.6, 0.2, 0.0)]
             assert steps[-1] == pytest.approx(sum(seconds))
             assert all(a <= b + 1e-9 for a, b in zip(steps, steps[1:], strict=False)), steps
+
+
+def test_what_a_transfer_costs_the_compute_thread_is_never_hidden():
+    """A page-out's compute-thread time comes before its write starts, a page-in's after its read ends."""
+    ops = _ops()
+    seconds = [1.0 if op.kind == C else 0.0 for op in ops]
+    seconds[2], seconds[6] = 0.5, 0.5
+    thread_s = [0.0] * len(ops)
+    thread_s[2], thread_s[6] = 0.25, 0.25
+    # both writes and reads still run behind compute; their 0.25 s on the compute thread adds up
+    assert overlapped_step_s(ops, seconds, IN_USE, 0.0, compute_thread_s=thread_s) == pytest.approx(5.5)
+    assert overlapped_step_s(ops, seconds, IN_USE, 0.0, overlap=False, compute_thread_s=thread_s) == pytest.approx(6.5)
+    blocked = _blocked_ops()
+    seconds = [1.0 if op.kind == C else 0.0 for op in blocked]
+    seconds[6] = 2.0
+    thread_s = [0.0] * len(blocked)
+    thread_s[6] = 0.5
+    # the read starts at its own instruction; taking its result follows it, and node 3 follows that
+    assert overlapped_step_s(blocked, seconds, BLOCKED_IN_USE, 0.0, compute_thread_s=thread_s) == pytest.approx(
+        3.0 + 2.0 + 0.5 + 1.0)

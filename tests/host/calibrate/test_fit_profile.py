@@ -96,17 +96,19 @@ def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict 
     """What the executor would report if the board behaved exactly like ``truth`` (noise-free)."""
     priced = price_graph(graph, truth)
     instructions, summaries = [], []
+    # a transfer reports its own time (on the I/O thread) and, where the board has any, its compute thread's apart
+    thread = {"page_in": truth.page_in_compute_thread_s, "page_out": truth.page_out_compute_thread_s}
+    thread_s = [thread.get(ins.kind, 0.0) for ins in schedule.instructions]
     seconds = [float({"compute": priced.compute_s, "page_in": priced.page_in_s,
-                      "page_out": priced.page_out_s}[ins.kind][ins.node]) if ins.kind != "free" else 0.0
-               for ins in schedule.instructions]
+                      "page_out": priced.page_out_s}[ins.kind][ins.node]) - own if ins.kind != "free" else 0.0
+               for ins, own in zip(schedule.instructions, thread_s, strict=True)]
     in_use = replay(graph.nodes, schedule.instructions, graph_label=graph.name).ram_timeline_bytes
-    overlapped_s = overlapped_step_s(schedule.instructions, seconds, in_use, 0.0, hidden_share=truth.transfer_overlap)
+    overlapped_s = overlapped_step_s(schedule.instructions, seconds, in_use, 0.0, hidden_share=truth.transfer_overlap,
+                                     compute_thread_s=thread_s)
     for step in range(1, steps + 1):
         total = compute = paging = 0.0
         for position, ins in enumerate(schedule.instructions):
-            seconds = {"compute": priced.compute_s, "page_in": priced.page_in_s,
-                       "page_out": priced.page_out_s}.get(ins.kind)
-            duration = float(seconds[ins.node]) if seconds is not None else 0.0
+            duration = seconds[position]
             if ins.kind == "compute":
                 compute += duration
             elif ins.kind in ("page_in", "page_out"):
@@ -115,6 +117,8 @@ def _telemetry(graph, schedule, truth: PlatformProfile, steps: int, power: dict 
             instructions.append({"step": step, "position": position, "kind": f"INSTRUCTION_KIND_{ins.kind.upper()}",
                                  "node": ins.node, "node_name": graph.nodes[ins.node].name, "duration_s": duration,
                                  "bytes_moved": graph.nodes[ins.node].output_bytes, "cpu_s": duration})
+            if thread_s[position]:
+                instructions[-1]["compute_thread_s"] = thread_s[position]
         optimizer_s = truth.optimizer_step_s(graph.param_bytes, graph.param_tensors)
         total += optimizer_s
         if paging:  # transfers behind compute, as the lowered step runs them
@@ -277,6 +281,30 @@ def test_paging_time_beyond_the_transfers_is_fitted_so_that_what_the_overlap_hid
     # what the steps took beyond went to the transfers, more than the 1.5 ms added since the overlap hides some
     assert fitted.page_out_latency_s > without.page_out_latency_s + 1.5e-3
     assert "beyond the transfers per page moved" in fitted.sources["page_out.latency_s"]
+
+
+def test_what_a_transfer_costs_the_compute_thread_is_fitted_from_its_own_timing_and_never_hidden(monkeypatch):
+    """A board whose transfers also take 2 ms (page-out: building the entry) and 1 ms (page-in: taking the result)
+    of the compute thread, reported apart from their own time: the fit prices each direction's median, which the
+    overlap cannot hide, and predicts the paging step."""
+    monkeypatch.setattr(fit_module, "TRANSFER_OVERLAP_SHARES", (1.0,))
+    graph = _graph()
+    truth = dataclasses.replace(_true_profile(), page_out_compute_thread_s=2e-3, page_in_compute_thread_s=1e-3)
+    runs = [_telemetry(graph, s, truth, steps=6) for s in _schedules(graph)]
+    fitted = fit_profile(load_profile("a72"), runs, note="test")
+    assert fitted.page_out_compute_thread_s == pytest.approx(2e-3)
+    assert fitted.page_in_compute_thread_s == pytest.approx(1e-3)
+    assert "compute thread" in fitted.sources["page_out.compute_thread_s"]
+    for run in runs:
+        assert predict_step(fitted, graph, run.schedule)[0] == pytest.approx(run.steps[-1]["duration_s"], rel=0.01)
+    # in the profile file, and priced into each transfer for the solver; the overlap hides none of it
+    assert PlatformProfile.from_dict(fitted.to_dict()).page_in_compute_thread_s == pytest.approx(1e-3)
+    paging = next(run for run in runs if any(i.kind == "page_in" for i in run.schedule.instructions))
+    hidden = dataclasses.replace(fitted, page_out_compute_thread_s=0.0, page_in_compute_thread_s=0.0,
+                                 page_out_latency_s=fitted.page_out_latency_s + 2e-3,
+                                 page_in_latency_s=fitted.page_in_latency_s + 1e-3)
+    assert price_graph(graph, hidden).page_in_s == pytest.approx(price_graph(graph, fitted).page_in_s)
+    assert predict_step(fitted, graph, paging.schedule)[0] > predict_step(hidden, graph, paging.schedule)[0] + 5e-4
 
 
 def test_backward_rates_change_the_price_of_a_recompute_only_plan():

@@ -234,6 +234,14 @@ def _mutated(mutate) -> dict:
             "field 'page_out.latency_s' must be a non-negative number in seconds, got -0.001",
         ),
         (
+            lambda d: d["page_in"].__setitem__("compute_thread_s", float("nan")),
+            "field 'page_in.compute_thread_s' must be a non-negative number in seconds, got nan",
+        ),
+        (
+            lambda d: d["page_out"].__setitem__("compute_thread_s", -1e-4),
+            "field 'page_out.compute_thread_s' must be a non-negative number in seconds, got -0.0001",
+        ),
+        (
             lambda d: d["page_out"].__setitem__("throughput_bytes_per_s", 0),
             "field 'page_out.throughput_bytes_per_s' must be a positive number in bytes per second, got 0",
         ),

@@ -54,6 +54,20 @@ def test_stored_payloads_become_the_fits_dicts_numbered_by_the_jobs_steps():
     assert steps[1]["timing_source"] == "emulated:qemu"  # the refinement skips runs timed by an emulator
 
 
+def test_a_transfers_time_on_the_compute_thread_reaches_the_fit_and_is_absent_where_not_timed():
+    from device_agent.executor.telemetry import InstructionEvent
+    from device_agent.serde import telemetry_event_to_proto
+
+    timed = InstructionEvent(0, 7, "page_out", 1, "n1", "fwd", "flash", 2e-3, 4096, 0, 0, compute_thread_s=3e-4)
+    untimed = InstructionEvent(0, 8, "compute", 2, "n2", "fwd", "ram", 1e-3, 0, 0, 0)
+    payloads = [serde.event_payload(telemetry_event_to_proto(event, job_id="j", unix_time_s=0.0))
+                for event in (timed, untimed)]
+    payloads = [dict(payload, seq=str(seq)) for seq, payload in enumerate(payloads, 1)]
+    instructions, _ = telemetry_steps([*payloads, _step(3, 1, duration_s=0.01)])
+    assert instructions[0]["compute_thread_s"] == 3e-4 and instructions[0]["duration_s"] == 2e-3
+    assert "compute_thread_s" not in instructions[1]
+
+
 def test_a_calibration_remembers_every_stage_it_entered_so_a_slow_poller_misses_none():
     calibration = Calibration("cal-1", "b1", "op", ["mlp"], 20, 8)
     calibration.set_stage("PROFILE job: the board measures its compute and flash")
