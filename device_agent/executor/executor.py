@@ -392,11 +392,7 @@ class ScheduleExecutor:
     def _run_lowered(self, lowered: LoweredStep, state: _Step) -> tuple[float, float, int]:
         """One step of the straight-line program; telemetry is made from its clock readings afterwards."""
         runtime = lowered.runtime
-        runtime.moved.clear()
-        runtime.metered.clear()
-        runtime.transfer_s.clear()
-        runtime.started_s.clear()
-        runtime.finished_s.clear()
+        runtime.begin_step()
         clock_s = [0.0] * (len(self.ops) + 1)
         rss_start = self.rss.rss_bytes()
         rss = [rss_start]

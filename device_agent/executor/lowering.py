@@ -101,6 +101,12 @@ class LoweringRuntime:
         self._pending: list[Future] = []  # deletes
         self._io: ThreadPoolExecutor | None = None
 
+    def begin_step(self) -> None:
+        """Forget the last step's timings and readings."""
+        for per_position in (self.moved, self.metered, self.transfer_s, self.started_s, self.finished_s,
+                             self._ended_at):
+            per_position.clear()
+
     def start_page_out(self, position: int, node: int, names: tuple[str, ...], outputs: tuple, saved: tuple) -> None:
         called = time.perf_counter()
         builder = EntryBuilder(node)
@@ -171,10 +177,10 @@ class LoweringRuntime:
             before = self.meter_read()
             started = time.perf_counter()
             result = transfer()
-            self._ended_at[position] = ended = time.perf_counter()
-            self.transfer_s[position] = ended - started
+            self.transfer_s[position] = time.perf_counter() - started
             self.metered[position] = (before, self.meter_read())
             self.moved[position] = result if isinstance(result, int) else result[1]
+            self._ended_at[position] = time.perf_counter()  # the I/O thread's last work for it: not the compute's
             return result
         return self._io_thread().submit(run)
 
@@ -199,13 +205,19 @@ class LoweredStep:
     # position -> the transfers started early beside it (prefetches before it, page-outs after it), which its
     # clock reading includes
     early_starts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # position of a RAM free -> the page-out whose write it finishes (its clock reading includes taking the result)
+    finished_writes: dict[int, int] = field(default_factory=dict)
 
     def instruction_s(self, position: int, clock_s: Sequence[float]) -> float:
         """Seconds of the compute thread the instruction at ``position`` took in a run that read ``clock_s``,
-        without the starting of transfers that run beside it (theirs, in ``runtime.started_s``)."""
-        started = self.runtime.started_s
-        return (clock_s[position + 1] - clock_s[position]
-                - sum(started.get(transfer, 0.0) for transfer in self.early_starts.get(position, ())))
+        without what it spent on transfers beside it (starting them, taking a write's result beyond waiting for
+        it): theirs, in ``runtime.compute_thread_s``. A RAM free keeps its wait for the write."""
+        runtime = self.runtime
+        seconds = clock_s[position + 1] - clock_s[position]
+        seconds -= sum(runtime.started_s.get(transfer, 0.0) for transfer in self.early_starts.get(position, ()))
+        if position in self.finished_writes:
+            seconds -= runtime.finished_s.get(self.finished_writes[position], 0.0)
+        return seconds
 
 
 class _Source:
@@ -247,7 +259,8 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
     own_in_entry: dict[int, list[int]] = {}  # fwd node -> own saved positions its entry holds now
     keep_alive: dict[int, list[str]] = {}  # fwd node -> locals its live record keeps (fixed, pinned)
     own_on_flash: dict[int, list[int]] = {}  # node -> own saved positions its page file holds
-    writing: set[int] = set()  # nodes whose page-out is in flight
+    writing: dict[int, int] = {}  # node -> position of its page-out in flight
+    finished_writes: dict[int, int] = {}  # RAM free's position -> the page-out whose write it finishes
     in_use = list(notes.in_use_bytes)
     workspace = instruction_workspace_bytes(nodes, ops)
     writes_after, reads_before = (transfer_starts(ops, in_use, ram_budget_bytes, workspace) if overlap
@@ -268,7 +281,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
         own_on_flash[node] = own_in_entry.get(node, [])
         body(f"_rt.start_page_out({page_out}, {node}, {src.const(names, 'names')}, ({_tuple(outputs)}), "
              f"({_tuple(saved)}))")
-        writing.add(node)
+        writing[node] = page_out
 
     body("clock_s[0] = _clock()")
     ns["_clock"] = time.perf_counter
@@ -289,7 +302,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
                 start_page_out(position)
             if not overlap:
                 body(f"_rt.finish_page_out({op.node})")
-                writing.discard(op.node)
+                del writing[op.node]
         elif op.kind == "page_in":
             if not any(position in started for started in reads_before.values()):
                 body(f"_rt.start_page_in({position}, {op.node})")
@@ -306,7 +319,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
         elif op.location == "ram":
             if op.node in writing:  # its storages are released once the page file has them
                 body(f"_rt.finish_page_out({op.node})")
-                writing.discard(op.node)
+                finished_writes[position] = writing.pop(op.node)
             _, outputs, saved = _entry_locals(partition, op.node, out_slot, grad_slot, own_in_entry)
             if outputs or saved:
                 body(f"del {', '.join((*outputs, *saved))}")
@@ -329,7 +342,7 @@ def lower_step(partition: Partition, ops: list[PlannedOp], functions: dict[int, 
                     for position in {*reads_before, *writes_after}}
     return LoweredStep(source, ns["lowered_step"], runtime, notes, rss_position, peak,
                        tuple(position for position, op in enumerate(ops) if op.kind == "compute"), tuple(in_use),
-                       early_starts)
+                       early_starts, finished_writes)
 
 
 def _tuple(items: list[str]) -> str:
@@ -419,7 +432,7 @@ def _lower_forward(src: _Source, partition: Partition, op: PlannedOp, position: 
     body("del r")
 
 
-def _released_with_backward(ops: list[PlannedOp], position: int, forward: int, writing: set[int],
+def _released_with_backward(ops: list[PlannedOp], position: int, forward: int, writing: dict[int, int],
                             writes_after: dict[int, list[int]]) -> bool:
     """Whether the backward at ``position`` of forward node ``forward`` may release that node's own saved tensors
     inside its call: it is not retained, and the schedule's next instruction on the node frees its RAM entry, with

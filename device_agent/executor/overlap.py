@@ -85,7 +85,8 @@ def overlapped_step_s(ops: Sequence[Op], seconds: Sequence[float], in_use: Seque
 
     ``compute_thread_s[i]`` (transfers; 0 elsewhere) is what transfer ``i`` costs the compute thread besides its
     own time ``seconds[i]`` (telemetry's ``compute_thread_s``): a page-out's before its write starts (building its
-    entry), a page-in's once its read has ended (taking the result). Never hidden.
+    entry), a page-in's once its read has ended (taking the result; its start, a submit of microseconds, is charged
+    there too, though a prefetch spends it earlier). Never hidden.
     """
     if not 0.0 <= hidden_share <= 1.0:
         raise ValueError(f"hidden_share must be between 0 and 1, got {hidden_share!r}")

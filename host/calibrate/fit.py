@@ -53,6 +53,7 @@ def calibrate_profile(
     """
     node_seconds: dict[int, list[float]] = {}
     paging = {"page_in": [0.0, 0.0], "page_out": [0.0, 0.0]}  # measured s, predicted s
+    compute_thread_s: dict[str, list[float]] = {"page_in": [], "page_out": []}  # where the executor timed it
     paging_cpu_s = 0.0
     steps: set[int] = set()
     for event in events:
@@ -75,6 +76,8 @@ def calibrate_profile(
             )
             paging[event.kind][0] += event.duration_s
             paging[event.kind][1] += latency + event.bytes_moved / throughput
+            if (thread_s := _compute_thread_s(event)) is not None:
+                compute_thread_s[event.kind].append(thread_s)
             paging_cpu_s += event.cpu_s
     if not node_seconds and not any(measured for measured, _ in paging.values()):
         raise CalibrationError(
@@ -104,6 +107,9 @@ def calibrate_profile(
             changes[f"{prefix}_throughput_bytes_per_s"] = getattr(profile, f"{prefix}_throughput_bytes_per_s") / factor
             for field in ("latency_s", "throughput_bytes_per_s"):
                 sources[f"{prefix}.{field}"] = f"{note}: scaled by measured/predicted = {factor:.3g}"
+        if compute_thread_s[prefix]:
+            changes[f"{prefix}_compute_thread_s"] = statistics.median(compute_thread_s[prefix])
+            sources[f"{prefix}.compute_thread_s"] = f"{note}: median of the transfers' time on the compute thread"
     paging_s = sum(measured for measured, _ in paging.values())
     if cpu_power_w_per_thread is not None and paging_s > 0:
         cpu_w = paging_cpu_s / paging_s * cpu_power_w_per_thread
@@ -125,6 +131,7 @@ def calibrate_profile(
 #                     and is what classes never measured cost)
 #                     (direction: fwd | bwd; traffic: the node's output plus its inputs' outputs)
 #   page transfer s = latency[direction] + bytes / throughput[direction]
+#                     + compute_thread_s[direction] (the median the lowered steps timed; never hidden behind compute)
 #   optimizer s     = optimizer_overhead_s + parameter tensors x optimizer_tensor_overhead_s
 #                     + param_bytes / optimizer_bytes_per_s
 #                     (non-negative least squares over the steps of every run; the throughput's column is shrunk
@@ -158,6 +165,16 @@ class CalibrationRun:
     schedule: object  # device_agent.schedule.Schedule
     instructions: list[dict]  # step, position, kind, node, node_name, duration_s, bytes_moved, cpu_s
     steps: list[dict]  # step, duration_s, optimizer_s, energy_j (absent when unknown), energy_source
+
+
+def _compute_thread_s(event) -> float | None:
+    """A transfer event's compute-thread seconds, where the board timed them (a number, finite, not negative)."""
+    value = event.get("compute_thread_s") if isinstance(event, dict) else getattr(event, "compute_thread_s", None)
+    try:
+        seconds = float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds is not None and 0.0 <= seconds < float("inf") else None
 
 
 def _kind(event: dict) -> str:
@@ -270,8 +287,9 @@ def fit_profile(profile: PlatformProfile, runs: Sequence[CalibrationRun], *, not
                 per_step_compute_s[step] = per_step_compute_s.get(step, 0.0) + seconds
             elif kind in transfers and seconds > 0:
                 transfers[kind].append((float(event.get("bytes_moved", 0)), seconds))
-                if event.get("compute_thread_s") is not None:
-                    compute_thread_s[kind].append(float(event["compute_thread_s"]))
+                thread_s = _compute_thread_s(event)
+                if thread_s is not None:
+                    compute_thread_s[kind].append(thread_s)
             elif kind == "free":
                 location = str(event.get("location", "ram")).lower().removeprefix("location_")
                 frees["flash" if location == "flash" else "ram"].append(seconds)

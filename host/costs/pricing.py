@@ -10,8 +10,8 @@ Per node i (power_computation.py of POET):
   reciprocal, reproduces the paper's floats bit for bit), else compute_s x compute_power_w
 * page_out_s = page_out_latency_s + output_bytes / page_out_throughput_bytes_per_s
   (+ page_out_compute_thread_s, a calibrated profile's time of the compute thread per transfer)
-  page_out_j = page_out_s x memory_power_w, and page_in likewise. A node with 0 output bytes still
-  pays the latency, as in the paper.
+  page_out_j = page_out_s x memory_power_w (its compute-thread part at compute_power_w), and page_in
+  likewise. A node with 0 output bytes still pays the latency, as in the paper.
 """
 
 from __future__ import annotations
@@ -63,10 +63,15 @@ def price_graph(graph: TrainingGraph, profile: PlatformProfile, cost_model: str 
         compute_s=compute_s,
         compute_j=compute_j,
         page_in_s=page_in_s,
-        page_in_j=page_in_s * profile.memory_power_w,
+        page_in_j=_transfer_j(page_in_s, profile.page_in_compute_thread_s, profile),
         page_out_s=page_out_s,
-        page_out_j=page_out_s * profile.memory_power_w,
+        page_out_j=_transfer_j(page_out_s, profile.page_out_compute_thread_s, profile),
         transfer_overlap=profile.transfer_overlap,
         page_in_compute_thread_s=profile.page_in_compute_thread_s,
         page_out_compute_thread_s=profile.page_out_compute_thread_s,
     )
+
+
+def _transfer_j(transfer_s: np.ndarray, compute_thread_s: float, profile: PlatformProfile) -> np.ndarray:
+    """A transfer's energy: its I/O time at the paging power, its compute thread's part at the compute power."""
+    return (transfer_s - compute_thread_s) * profile.memory_power_w + compute_thread_s * profile.compute_power_w

@@ -91,6 +91,11 @@ def test_paging_costs_scale_to_the_measured_transfers(measured):
         throughput = getattr(calibrated, f"{kind}_throughput_bytes_per_s")
         predicted = sum(latency + e.bytes_moved / throughput for e in transfers)
         assert predicted == pytest.approx(sum(e.duration_s for e in transfers), rel=1e-9)
+        # the lowered steps also timed each transfer's part on the compute thread: priced apart, as its median
+        timed = [e.compute_thread_s for e in transfers if e.compute_thread_s is not None]
+        assert len(timed) == len(transfers)  # step 0, the first of its shape, ran interpreted and is skipped
+        assert getattr(calibrated, f"{kind}_compute_thread_s") == pytest.approx(statistics.median(timed))
+        assert getattr(calibrated, f"{kind}_compute_thread_s") > 0
 
 
 def test_events_of_another_graph_are_rejected(measured):

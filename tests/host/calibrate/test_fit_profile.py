@@ -291,6 +291,9 @@ def test_what_a_transfer_costs_the_compute_thread_is_fitted_from_its_own_timing_
     graph = _graph()
     truth = dataclasses.replace(_true_profile(), page_out_compute_thread_s=2e-3, page_in_compute_thread_s=1e-3)
     runs = [_telemetry(graph, s, truth, steps=6) for s in _schedules(graph)]
+    for event in (e for run in runs for e in run.instructions if e["kind"] == "INSTRUCTION_KIND_PAGE_OUT"):
+        if event["step"] in (2, 3, 4):  # what a board must not send: left out, not fitted
+            event["compute_thread_s"] = -5.0 if event["step"] < 4 else float("nan")
     fitted = fit_profile(load_profile("a72"), runs, note="test")
     assert fitted.page_out_compute_thread_s == pytest.approx(2e-3)
     assert fitted.page_in_compute_thread_s == pytest.approx(1e-3)
@@ -303,7 +306,11 @@ def test_what_a_transfer_costs_the_compute_thread_is_fitted_from_its_own_timing_
     hidden = dataclasses.replace(fitted, page_out_compute_thread_s=0.0, page_in_compute_thread_s=0.0,
                                  page_out_latency_s=fitted.page_out_latency_s + 2e-3,
                                  page_in_latency_s=fitted.page_in_latency_s + 1e-3)
-    assert price_graph(graph, hidden).page_in_s == pytest.approx(price_graph(graph, fitted).page_in_s)
+    priced = price_graph(graph, fitted)
+    assert price_graph(graph, hidden).page_in_s == pytest.approx(priced.page_in_s)
+    # the compute thread's part at the compute power, the rest at the paging power
+    assert priced.page_in_j == pytest.approx((priced.page_in_s - 1e-3) * fitted.memory_power_w
+                                             + 1e-3 * fitted.compute_power_w)
     assert predict_step(fitted, graph, paging.schedule)[0] > predict_step(hidden, graph, paging.schedule)[0] + 5e-4
 
 
