@@ -253,6 +253,8 @@ def _mount_tmpfs(directory, size: str) -> str | None:
 def test_a_full_flash_dir_fails_the_run_clearly_and_leaves_no_page_files(fleet):
     import subprocess
 
+    from host.cli.operator import EXIT_RUN_FAILED
+
     flash = fleet.tmp / "small-flash"
     why = _mount_tmpfs(flash, "64k")
     if why is not None:
@@ -263,7 +265,8 @@ def test_a_full_flash_dir_fails_the_run_clearly_and_leaves_no_page_files(fleet):
         # solver pages rather than recomputes. Batch 512 makes a page (128 KiB) larger than the 64 KiB flash.
         board = fleet.agent("b1", "1/2", flash_dir=flash, extra=("--platform", "a72"))
         for budget in ("80%", "76%", "85%", "90%", "95%"):
-            run = fleet.submit("b1", steps=2, budget=budget, batch_size=512)[0]
+            # the board may fail the run (its flash cannot hold a page) before `poet run` reports it
+            run = fleet.submit("b1", steps=2, budget=budget, batch_size=512, ok_codes=(0, EXIT_RUN_FAILED))[0]
             if run["page_outs"] > 0:
                 break
         else:
