@@ -71,6 +71,27 @@ def test_events_are_stored_once_and_acks_free_the_buffer(cert_root, server, tmp_
         sink.close()
 
 
+def test_a_run_that_emits_after_every_short_step_sends_few_batches_and_loses_no_event(cert_root, server, tmp_path):
+    """A batch per training step cost the coordinator a transaction each and slowed the board's paging steps: a
+    run's batches leave at most one per interval unless full, and every event still arrives."""
+    sink = TelemetrySink(tmp_path)
+    run = sink.for_run("run-1")
+    streaming = Streaming(cert_root, server.target, sink, batch_events=500, min_batch_interval_s=1.0)
+    try:
+        for i in range(20):  # a step's events every 20 ms, the acknowledgements back long before the next
+            run.emit(_event(i))
+            time.sleep(0.02)
+        wait_until(lambda: run.buffer.pending_count == 0, what="acks for all 20 events")
+        assert server.fleet.stored("run-1") == list(range(1, 21))
+        batches = [b for b in server.fleet.batches if b.events]
+        assert len(batches) == 2, [len(b.events) for b in batches]  # the first event at once, the rest together
+    finally:
+        streaming.close()
+        sink.close()
+    with pytest.raises(ValueError, match="min_batch_interval_s"):
+        TelemetrySender(None, sink, min_batch_interval_s=float("nan"))
+
+
 def test_resend_from_the_acked_point_after_the_server_restarts(cert_root, server, tmp_path):
     sink = TelemetrySink(tmp_path)
     run = sink.for_run("run-r")
