@@ -45,6 +45,12 @@ fleet_pb2_grpc = load("poet.v1.fleet_pb2_grpc")
 RUNS_DIR = "runs"
 # A run's events leave in batches at most this often unless a batch is full (TelemetrySender's docstring).
 MIN_BATCH_INTERVAL_S = 0.5
+# Events in one batch: under the coordinator's cap (host.fleet.limits.MAX_EVENTS_PER_BATCH, 5000), and enough that
+# a run whose steps take tens of milliseconds sends a batch per interval rather than one every few steps.
+BATCH_EVENTS = 4000
+# Payload bytes in one batch: half the coordinator's gRPC message cap (8 MiB), which 4,000 events of the largest
+# size it takes (16 KiB each) would pass.
+BATCH_BYTES = 4 * 1024 * 1024
 BUFFER_FILE = "telemetry.db"
 RETIRE_FILE = "telemetry.retire"  # the run's result is reported: delete its buffer once drained
 _BUFFER_FILES = (BUFFER_FILE, f"{BUFFER_FILE}-wal", f"{BUFFER_FILE}-shm", f"{BUFFER_FILE}-journal")
@@ -275,11 +281,13 @@ class TelemetrySender:
     database transaction, and a batch after every short training step kept the coordinator's disk and the
     board's cores busy beside training. Measured through the fleet on one 2-core machine
     (``bench/calibration.py --as-user``), the small CNN's paging-heavy steps took 5.3-5.8 ms with a batch per
-    step and 3.4 ms with batches at most every 0.5 s; mlp's 2.5-2.9 ms and 1.6 ms. An event still leaves
-    within ``min_batch_interval_s`` (plus ``flush_s``) of being stored.
+    step and 3.4-3.9 ms with batches at most every 0.5 s; mlp's 2.5-2.9 ms and 1.5-1.6 ms. Batches of 500 then
+    still left every other step of resnet18_cifar's paging-heavy schedule (248 events a step), and those steps took
+    38-41 ms against 28-31 ms for the others; batches of up to :data:`BATCH_EVENTS` leave on the interval. An event
+    still leaves within ``min_batch_interval_s`` (plus ``flush_s``) of being stored.
     """
 
-    def __init__(self, channel: grpc.Channel, sink: TelemetrySink, *, batch_events: int = 500,
+    def __init__(self, channel: grpc.Channel, sink: TelemetrySink, *, batch_events: int = BATCH_EVENTS,
                  flush_s: float = 0.1, window_events: int = 2000, resend_after_s: float = 15.0,
                  min_batch_interval_s: float = MIN_BATCH_INTERVAL_S,
                  log: Callable[[str], None] | None = None) -> None:
@@ -408,6 +416,12 @@ class TelemetrySender:
         except Exception:
             return None
         rows = [(seq, payload) for seq, payload in rows if seq > sent][:want]
+        batch_bytes = 0
+        for count, (_, payload) in enumerate(rows):
+            batch_bytes += len(payload)
+            if batch_bytes > BATCH_BYTES and count:  # the rest leave in the next batch
+                rows = rows[:count]
+                break
         if not rows:
             return None
         reported_full[run.run_id] = run.full

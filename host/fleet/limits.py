@@ -40,7 +40,7 @@ MAX_DOWNLOADS_PER_NODE = 2  # model downloads
 # together hold at most MAX_WORKERS - OPERATOR_RESERVED_WORKERS calls
 OPERATOR_RESERVED_WORKERS = 8
 DOWNLOAD_IDLE_S = 60.0  # a model download whose chunks nobody reads for this long is cancelled
-MAX_EVENTS_PER_BATCH = 5000  # telemetry events in one batch (agents send up to 500)
+MAX_EVENTS_PER_BATCH = 5000  # telemetry events in one batch (agents send up to 4000)
 MAX_EVENT_BYTES = 16 * 1024  # one telemetry event, serialized
 MAX_SEQ = (1 << 63) - 1  # a telemetry sequence number (SQLite's INTEGER)
 LIST_PAGE_SIZE = 500  # entries per page of `ListAgents` / `ListRuns` when the caller asks for no size

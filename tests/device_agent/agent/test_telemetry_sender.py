@@ -92,6 +92,26 @@ def test_a_run_that_emits_after_every_short_step_sends_few_batches_and_loses_no_
         TelemetrySender(None, sink, min_batch_interval_s=float("nan"))
 
 
+def test_a_batch_of_large_events_stays_under_the_byte_cap(cert_root, server, tmp_path, monkeypatch):
+    import device_agent.agent.telemetry as telemetry
+
+    monkeypatch.setattr(telemetry, "BATCH_BYTES", 50_000)
+    sink = TelemetrySink(tmp_path)
+    run = sink.for_run("run-1")
+    streaming = Streaming(cert_root, server.target, sink, min_batch_interval_s=0.0)
+    try:
+        big = [fleet_pb2.TelemetryEvent(job_id="j" * 10_000, unix_time_s=float(i)) for i in range(30)]
+        run.emit_many(big)
+        wait_until(lambda: run.buffer.pending_count == 0, what="acks for all 30 events")
+        assert server.fleet.stored("run-1") == list(range(1, 31))
+        batches = [b for b in server.fleet.batches if b.events]
+        assert len(batches) >= 6 and all(sum(e.ByteSize() for e in b.events) <= 50_000 + 100 * len(b.events)
+                                         for b in batches), [len(b.events) for b in batches]
+    finally:
+        streaming.close()
+        sink.close()
+
+
 def test_resend_from_the_acked_point_after_the_server_restarts(cert_root, server, tmp_path):
     sink = TelemetrySink(tmp_path)
     run = sink.for_run("run-r")
