@@ -283,8 +283,9 @@ class TelemetrySender:
     (``bench/calibration.py --as-user``), the small CNN's paging-heavy steps took 5.3-5.8 ms with a batch per
     step and 3.4-3.9 ms with batches at most every 0.5 s; mlp's 2.5-2.9 ms and 1.5-1.6 ms. Batches of 500 then
     still left every other step of resnet18_cifar's paging-heavy schedule (248 events a step), and those steps took
-    38-41 ms against 28-31 ms for the others; batches of up to :data:`BATCH_EVENTS` leave on the interval. An event
-    still leaves within ``min_batch_interval_s`` (plus ``flush_s``) of being stored.
+    38-41 ms against 28-31 ms for the others; batches of up to :data:`BATCH_EVENTS` leave on the interval, and that
+    schedule's steps measured 27-29 ms. An event still leaves within ``min_batch_interval_s`` (plus ``flush_s``)
+    of being stored.
     """
 
     def __init__(self, channel: grpc.Channel, sink: TelemetrySink, *, batch_events: int = BATCH_EVENTS,
