@@ -401,10 +401,10 @@ class TelemetrySender:
         room = self.window_events - (sent - acked)
         # While a batch is unacknowledged, wait for a full one: a backlog then leaves in few large batches
         # (the coordinator's cost is per batch), and an idle stream still sends each event at once.
-        coalescing = sent > acked and next_seq - 1 - sent < self.batch_events
+        not_full = next_seq - 1 - sent < self.batch_events
+        coalescing = sent > acked and not_full
         # not full, and the run's last batch left less than the interval ago: wait for more
-        too_soon = (next_seq - 1 - sent < self.batch_events
-                    and now - self._last_batch_at.get(run.run_id, -math.inf) < self.min_batch_interval_s)
+        too_soon = not_full and now - self._last_batch_at.get(run.run_id, -math.inf) < self.min_batch_interval_s
         if next_seq - 1 <= sent or room <= 0 or coalescing or too_soon:
             if run.full != reported_full.get(run.run_id, False):  # tell the coordinator, even with no events
                 reported_full[run.run_id] = run.full

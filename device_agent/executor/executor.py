@@ -446,7 +446,7 @@ class ScheduleExecutor:
             emit(InstructionEvent(
                 step, position, op.kind, op.node, node.name, node.kind, op.location, duration_s, int(moved),
                 lowered.in_use_bytes[position], rss_bytes, op.recompute, cpu_s, energy_j, source,
-                compute_thread_s=runtime.compute_thread_s(position) if op.kind != "free" else None))
+                compute_thread_s=runtime.compute_thread_s(position)))
 
     def _plain_run(self, index: int, recompute: bool, *fed: torch.Tensor) -> tuple:
         """A node no backward reads, as the interpreted step runs it (RNG replayed, buffers left alone on a
