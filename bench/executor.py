@@ -1,7 +1,9 @@
 """Executor benchmark: POET against plain PyTorch and what users would pick instead. Prints tables, never fails.
 
-1. Overhead without memory pressure: step time of the keep-all schedule against plain PyTorch, measured
-   in one process with the two interleaved (target ratio <= 1.05).
+1. Overhead without memory pressure: step time of the keep-all schedule against plain PyTorch (targets: at most
+   1.03x at layer granularity, 1.01x at block granularity). Each method runs in a process of its own, their steps
+   taken in turn (so drift on a shared machine hits them alike, while each has a C heap of its own: in one
+   process, one method's frees decide another's page faults).
 2. At each budget (default 50% and 30% of the no-remat peak): energy, time, measured peak RSS and tracked
    bytes of POET's schedule against the alternatives a user has: plain training, ``checkpoint_sequential(k)``
    for each useful k, per-block checkpointing, selective activation checkpointing per block (a policy that
@@ -27,8 +29,8 @@
 ``--compile`` adds POET with its node functions through inductor (``poet train --compile``; fused kernels,
 not bitwise eager): in part 2 a ``POET --compile`` row per budget, its schedule solved on a coarser trace
 (``--compile-granularity``, default ``auto``: per budget, the coarsest block depth that leaves the solver
-room), and in part 1 a second interleaved round per granularity with POET --compile's keep-all, POET
-uncompiled and ``torch.compile`` of the whole model, each as a ratio to plain.
+room), and in part 1 two more methods taking turns with the others per granularity, POET --compile's keep-all and
+``torch.compile`` of the whole model, each as a ratio to plain.
 
 ``--granularity`` sets the nodes of part 2's POET rows: layer (the default, what ``poet solve`` gives), ``block:N``,
 or ``auto`` as above (uncompiled, coarser nodes make fewer calls per step: part 1's block rows).
@@ -69,7 +71,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -133,15 +134,104 @@ def _per_node_autograd_step(partition, inputs, labels, optimizer) -> None:
 
 
 def overhead_rows(model: str, batch_size: int, steps: int, threads: int, compiled: bool = False) -> list[dict]:
-    """Keep-all schedule against plain PyTorch (and the per-node floor), interleaved in one process, per granularity;
-    ``compiled``: also POET --compile's keep-all and torch.compile of the whole model."""
-    torch.set_num_threads(threads)
-    return [_overhead_row(model, granularity, depth, batch_size, steps, compiled)
-            for granularity, depth in (("layer", 1), ("block", 2), ("block", 1))]
+    """Keep-all schedule against plain PyTorch (and the per-node floor), per granularity, each method in a
+    process of its own and their steps interleaved (see :class:`_Workers`); ``compiled``: also POET --compile's
+    keep-all and torch.compile of the whole model."""
+    base = {"model": model, "batch_size": batch_size, "threads": threads}
+    names = ("schedule", "autograd", "plain", "floor") + (("compiled", "torch.compile") if compiled else ())
+    with _Workers(names) as workers:
+        workers.setup("plain", {**base, "method": "plain"})
+        if compiled:
+            workers.setup("torch.compile", {**base, "method": "torch.compile"})
+        rows = []
+        for granularity, depth in (("layer", 1), ("block", 2), ("block", 1)):
+            infos = {name: workers.setup(name, {**base, "method": name, "granularity": granularity, "depth": depth})
+                     for name in names if name not in ("plain", "torch.compile")}
+            rows.append(_overhead_row(workers, names, steps, infos["schedule"]))
+    return rows
 
 
-def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, steps: int,
-                  compiled: bool = False) -> dict:
+class _Workers:
+    """One process per method of part 1, driven in lock step: each step of each method runs alone (the others
+    wait on their pipes), the methods taking turns, so drift on a shared machine hits them alike while each
+    has a C heap of its own. In one process, glibc's heap (its trim and mmap thresholds, its free blocks) is
+    shared, and one workload's frees decide the other's page faults: resnet18_cifar at block:2 with glibc's
+    default, POET alone 0 faults per step, plain alone 30,000; interleaved in one process, 3,300 and 1,800."""
+
+    def __init__(self, names) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._pipes = {}
+        self._processes = []
+        for name in names:
+            parent, child = context.Pipe()
+            process = context.Process(target=_overhead_worker, args=(child,), daemon=True, name=f"part1-{name}")
+            process.start()
+            child.close()
+            self._pipes[name] = parent
+            self._processes.append(process)
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pipe in self._pipes.values():
+            try:
+                pipe.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self._processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+    def _ask(self, name: str, command: str, payload=None):
+        pipe = self._pipes[name]
+        pipe.send((command, payload))
+        ok, answer = pipe.recv()
+        if not ok:
+            raise RuntimeError(f"part 1's {name} worker: {answer}")
+        return answer
+
+    def setup(self, name: str, spec: dict) -> dict:
+        return self._ask(name, "setup", spec)
+
+    def step(self, name: str) -> tuple[float, int]:
+        return self._ask(name, "step")
+
+
+def _overhead_worker(pipe) -> None:
+    """A part-1 method in its own process: ``setup`` builds it (and runs its warm-up steps, which capture and
+    lower POET's step or compile torch.compile's), ``step`` times one step (seconds, minor page faults)."""
+    import resource
+    import traceback
+
+    run = None
+    while True:
+        command, payload = pipe.recv()
+        if command == "stop":
+            return
+        try:
+            if command == "setup":
+                torch.set_num_threads(payload["threads"])
+                run = None
+                run, info = _overhead_method(payload)
+                for _ in range(2):
+                    run()
+                answer = info() if callable(info) else info
+            else:
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                started = time.perf_counter()
+                run()
+                answer = (time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            pipe.send((True, answer))
+        except Exception:  # noqa: BLE001 - the parent names the worker and shows the traceback
+            pipe.send((False, traceback.format_exc(limit=8)))
+
+
+def _overhead_method(spec: dict):
+    """(step function, info) of one part-1 method: its model bundle built here, with seed 0 as every other's."""
     from device_agent.executor import ScheduleExecutor, plain_train_step
     from host.costs import load_profile, price_graph
     from host.graph.partition import partition_from_traced
@@ -149,93 +239,78 @@ def _overhead_row(model: str, granularity: str, depth: int, batch_size: int, ste
     from host.graph.zoo import get_model_spec
     from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
 
-    spec = get_model_spec(model)
-    scheduled, plain, floor, autograd = (spec.bundle(batch_size, seed=0) for _ in range(4))
-    traced = trace_model(scheduled, granularity=granularity, block_depth=depth)
+    method = spec["method"]
+    bundle = get_model_spec(spec["model"]).bundle(spec["batch_size"], seed=0)
+    sgd = torch.optim.SGD(bundle.module.parameters(), lr=0.01, momentum=0.9)
+    if method == "plain":
+        return (lambda: plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, sgd)), {}
+    if method == "torch.compile":
+        forward = torch.compile(bundle.module)
+
+        def whole_step() -> None:
+            sgd.zero_grad(set_to_none=True)
+            bundle.training_loss(forward(*bundle.inputs), bundle.labels).backward()
+            sgd.step()
+        return whole_step, {}
+    traced = trace_model(bundle, granularity=spec["granularity"], block_depth=spec["depth"])
+    partition = partition_from_traced(traced)
+    if method == "floor":
+        return (lambda: _per_node_autograd_step(partition, bundle.inputs, bundle.labels, sgd)), {}
     priced = price_graph(traced.graph, load_profile("a72"))
     schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
-    sgd_a, sgd_b, sgd_c, sgd_d = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
-                                  for b in (scheduled, plain, floor, autograd))
-    floor_partition = partition_from_traced(trace_model(floor, granularity=granularity, block_depth=depth))
-    autograd_partition = partition_from_traced(trace_model(autograd, granularity=granularity, block_depth=depth))
-    times_s: dict[str, list[float]] = {"schedule": [], "plain": [], "floor": [], "autograd": []}
-    # POET as a user gets it (node functions, later steps lowered to one program), and every node under autograd
-    with ScheduleExecutor(partition_from_traced(traced), schedule) as executor, \
-            ScheduleExecutor(autograd_partition, schedule, node_functions=False) as autograd_executor, \
-            ExitStack() as stack:
-        runs = {
-            "schedule": lambda: executor.train_step(scheduled.inputs, scheduled.labels, sgd_a),
-            "autograd": lambda: autograd_executor.train_step(autograd.inputs, autograd.labels, sgd_d),
-            "plain": lambda: plain_train_step(plain.module, plain.loss_fn, plain.inputs, plain.labels, sgd_b),
-            "floor": lambda: _per_node_autograd_step(floor_partition, floor.inputs, floor.labels, sgd_c),
-        }
-        for step in range(steps + 2):  # interleaved; the first two of each are warm-up (and capture)
-            for name, run in runs.items():
-                started = time.perf_counter()
-                run()
-                if step >= 2:
-                    times_s[name].append(time.perf_counter() - started)
-        if compiled:  # POET --compile and torch.compile, each on its own copy of the model
-            compiled_bundle, whole = spec.bundle(batch_size, seed=0), spec.bundle(batch_size, seed=0)
-            compiled_executor = stack.enter_context(ScheduleExecutor(
-                partition_from_traced(trace_model(compiled_bundle, granularity=granularity, block_depth=depth)),
-                schedule, inductor=True))
-            sgd_e, sgd_f = (torch.optim.SGD(b.module.parameters(), lr=0.01, momentum=0.9)
-                            for b in (compiled_bundle, whole))
-            whole_forward = torch.compile(whole.module)
+    executor = ScheduleExecutor(partition, schedule, node_functions=method != "autograd",
+                                inductor=method == "compiled")
+    last = {}
 
-            def whole_step() -> None:
-                sgd_f.zero_grad(set_to_none=True)
-                whole.training_loss(whole_forward(*whole.inputs), whole.labels).backward()
-                sgd_f.step()
+    def step() -> None:
+        last["result"] = executor.train_step(bundle.inputs, bundle.labels, sgd)
 
-            runs = {"compiled": lambda: compiled_executor.train_step(compiled_bundle.inputs, compiled_bundle.labels,
-                                                                     sgd_e),
-                    "torch.compile": whole_step, "plain": runs["plain"], "schedule": runs["schedule"]}
-            for name in ("compiled", "torch.compile"):  # compile outside the timed steps
-                runs[name]()
-                runs[name]()
-            for _ in range(steps):
-                for name, run in runs.items():
-                    started = time.perf_counter()
-                    run()
-                    times_s.setdefault(f"{name}/compiled", []).append(time.perf_counter() - started)
-        lowered = executor.train_step(scheduled.inputs, scheduled.labels, sgd_a).lowered
+    def info() -> dict:
+        return {"granularity": _granularity_text((spec["granularity"], spec["depth"])), "nodes": traced.graph.size,
+                "instructions": len(schedule.instructions), "lowered": last["result"].lowered,
+                "autograd_nodes": len(executor.autograd_nodes)}
+    return step, info
+
+
+def _overhead_row(workers: _Workers, names, steps: int, info: dict) -> dict:
+    """Steps of every method in turn (the first two of each ran at setup); ratios per step against plain's."""
+    times_s: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[int]] = {name: [] for name in names}
+    for _ in range(steps):
+        for name in names:
+            seconds, page_faults = workers.step(name)
+            times_s[name].append(seconds)
+            faults[name].append(page_faults)
 
     def paired(name: str) -> list[float]:
         return sorted(a / b for a, b in zip(times_s[name], times_s["plain"], strict=True))
 
     ratios = paired("schedule")
-    instructions = len(schedule.instructions)
+    ratio = statistics.median(ratios)
+    autograd_ratio = statistics.median(paired("autograd"))
+    instructions = info["instructions"]
     plain_s = statistics.median(times_s["plain"])
     compiled_columns = {}
-    if compiled:  # their own interleaved round, against the plain steps timed beside them
-        def against_plain(name: str) -> float:
-            return statistics.median(a / b for a, b in zip(times_s[f"{name}/compiled"], times_s["plain/compiled"],
-                                                           strict=True))
-
-        compiled_columns = {"compiled_ratio": against_plain("compiled"),
-                            "uncompiled_ratio": against_plain("schedule"),
-                            "torch_compile_ratio": against_plain("torch.compile")}
+    if "compiled" in names:
+        compiled_columns = {"compiled_ratio": statistics.median(paired("compiled")), "uncompiled_ratio": ratio,
+                            "torch_compile_ratio": statistics.median(paired("torch.compile"))}
     return {
         **compiled_columns,
-        "granularity": _granularity_text((granularity, depth)),
-        "nodes": traced.graph.size,
-        "instructions": instructions,
+        **info,
         "plain_s": plain_s,
         "schedule_s": statistics.median(times_s["schedule"]),
-        "ratio": statistics.median(ratios),  # median over steps of schedule/plain, each pair back to back
+        "ratio": ratio,  # median over steps of schedule/plain, each pair back to back
         "ratio_q1": ratios[len(ratios) // 4],
         "ratio_q3": ratios[(3 * len(ratios)) // 4],
         "floor_ratio": statistics.median(paired("floor")),
         "autograd_s": statistics.median(times_s["autograd"]),
-        "autograd_ratio": statistics.median(paired("autograd")),
+        "autograd_ratio": autograd_ratio,
         # what each instruction costs beyond plain PyTorch's step, from the median ratios
-        "overhead_us_per_instruction": (statistics.median(ratios) - 1) * plain_s / instructions * 1e6,
-        "autograd_overhead_us_per_instruction": (statistics.median(paired("autograd")) - 1) * plain_s / instructions
-        * 1e6,
-        "lowered": lowered,
-        "autograd_nodes": len(executor.autograd_nodes),
+        "overhead_us_per_instruction": (ratio - 1) * plain_s / instructions * 1e6,
+        "autograd_overhead_us_per_instruction": (autograd_ratio - 1) * plain_s / instructions * 1e6,
+        # minor page faults per step (memory the C heap gave back to the OS and touched again), medians
+        "plain_page_faults_per_step": statistics.median(faults["plain"]),
+        "poet_page_faults_per_step": statistics.median(faults["schedule"]),
     }
 
 
@@ -930,18 +1005,19 @@ def _mb(value) -> str:
 
 def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
     print(f"\n## 1. {model}: no memory pressure: keep-all schedule against plain PyTorch, batch {batch_size} "
-          f"(one process per allocator setting, all interleaved; medians of {args.overhead_steps} steps; "
+          f"(each method in a process of its own, their steps taken in turn; medians of {args.overhead_steps} steps; "
           "ratio: median of the per-step ratios, with its quartiles; POET: the executor as users get it, node "
           "functions and every step after the first lowered to one straight-line program; autograd: the same "
           "executor with node_functions=False, every node under autograd (the executor before the lowering); "
           "floor: the same nodes run one by one with one autograd call each, without the executor's store, "
-          "hooks and telemetry; us/instr: the overhead per instruction beyond plain PyTorch's step"
-          + ("; with --compile, a second interleaved round: POET --compile's keep-all, POET uncompiled and "
-             "torch.compile of the whole model, each as a median ratio to plain in that round" if args.compile else "")
+          "hooks and telemetry; us/instr: the overhead per instruction beyond plain PyTorch's step; faults: minor "
+          "page faults per step, plain and POET, from memory the C heap gave back to the OS and touched again"
+          + ("; with --compile, two more methods taking turns: POET --compile's keep-all and torch.compile of the "
+             "whole model, each as a median ratio to plain (uncompiled: POET's ratio again)" if args.compile else "")
           + ")\n", file=log)
     print(f"{'allocator':<26} {'granularity':<12} {'nodes':>5} {'instr':>6} {'plain s/step':>13} "
           f"{'POET s/step':>12} {'ratio':>6} {'quartiles':>12} {'us/instr':>9} {'autograd':>9} {'us/instr':>9} "
-          f"{'floor':>6} {'lowered':>8}"
+          f"{'floor':>6} {'lowered':>8} {'faults':>13}"
           + (f" {'compiled':>9} {'uncompiled':>11} {'torch.compile':>14}" if args.compile else ""), file=log)
     rows = []
     for allocator in ("glibc default", "glibc keeps freed memory"):
@@ -952,7 +1028,8 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
                   f"{row['plain_s']:>13.4f} {row['schedule_s']:>12.4f} {row['ratio']:>6.3f} "
                   f"{row['ratio_q1']:>5.3f}-{row['ratio_q3']:.3f} {row['overhead_us_per_instruction']:>9.1f} "
                   f"{row['autograd_ratio']:>9.3f} {row['autograd_overhead_us_per_instruction']:>9.1f} "
-                  f"{row['floor_ratio']:>6.3f} {'yes' if row['lowered'] else 'no':>8}"
+                  f"{row['floor_ratio']:>6.3f} {'yes' if row['lowered'] else 'no':>8} "
+                  f"{row['plain_page_faults_per_step']:>6.0f}/{row['poet_page_faults_per_step']:<6.0f}"
                   + (f" {row['compiled_ratio']:>9.3f} {row['uncompiled_ratio']:>11.3f} {row['torch_compile_ratio']:>14.3f}"
                      if "compiled_ratio" in row else ""), file=log, flush=True)
             rows.append({"model": model, "batch_size": batch_size, "allocator": allocator,
@@ -964,6 +1041,8 @@ def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
                          "autograd_s_per_step": row["autograd_s"], "autograd_ratio": row["autograd_ratio"],
                          "autograd_overhead_us_per_instruction": row["autograd_overhead_us_per_instruction"],
                          "lowered": row["lowered"], "autograd_nodes": row["autograd_nodes"],
+                         "plain_page_faults_per_step": row["plain_page_faults_per_step"],
+                         "poet_page_faults_per_step": row["poet_page_faults_per_step"],
                          **{k: row[k] for k in ("compiled_ratio", "uncompiled_ratio", "torch_compile_ratio")
                             if k in row}})
     return rows
@@ -1055,7 +1134,7 @@ def main() -> None:
     parser.add_argument("--flash-dir", default=".")
     parser.add_argument("--overhead-batch-size", type=int, help="batch of part 1 (default per model: "
                         + ", ".join(f"{m} {b[0]}" for m, b in BATCH_SIZES.items()) + ")")
-    parser.add_argument("--overhead-steps", type=int, default=20, help="timed steps of part 1 (default 20)")
+    parser.add_argument("--overhead-steps", type=int, default=30, help="timed steps of part 1 (default 30)")
     parser.add_argument("--runtime-budget", type=float, default=2.0, help="runtime factor of the solve (default 2)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="solver time limit, seconds")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",

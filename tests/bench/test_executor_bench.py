@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 OVERHEAD_FIELDS = {"allocator", "granularity", "nodes", "plain_s_per_step", "poet_s_per_step", "ratio", "floor_ratio",
                    "overhead_us_per_instruction", "autograd_s_per_step", "autograd_ratio",
-                   "autograd_overhead_us_per_instruction", "lowered", "autograd_nodes"}
+                   "autograd_overhead_us_per_instruction", "lowered", "autograd_nodes", "plain_page_faults_per_step",
+                   "poet_page_faults_per_step"}
 METHOD_FIELDS = {"model", "budget_share", "method", "s_per_step", "j_per_step", "energy_source", "peak_rss_bytes",
                  "peak_rss_after_trim_bytes", "process_rss_bytes", "tracked_bytes", "fits_budget", "note"}
 

@@ -95,3 +95,66 @@ def test_a_gradient_read_again_is_not_written_over(return_nll_gradient):
     """The rule needs the gradient to be read by the log-softmax backward alone."""
     gm = _nll_then_log_softmax_backward(return_nll_gradient)
     assert write_over_dead_gradients(gm) == (0 if return_nll_gradient else 1)
+
+
+class _TwoBranches(torch.nn.Module):
+    """A value read by two ops of one node, as a residual block reads its input: its gradient is a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(4)
+        self.first = torch.nn.Parameter(torch.randn(32, 32, generator=generator))
+        self.second = torch.nn.Parameter(torch.randn(32, 32, generator=generator))
+
+    def forward(self, x):
+        return (torch.relu(F.linear(x, self.first)) * F.linear(x, self.second),)
+
+
+def test_a_sum_of_gradients_is_written_over_its_fresh_term_and_is_bitwise_eager_s():
+    module = _TwoBranches()
+    program = NodeProgram(1, "branches", "fwd", torch.fx.symbolic_trace(module), ("x",), ("y",), bwd_index=2,
+                          grad_input_values=("x",), params=tuple(module.parameters()))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    functions = capture_node_functions(program, [x])
+    targets = [n.target for n in functions.backward.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.add_.Tensor in targets and torch.ops.aten.add.Tensor not in targets
+    outputs = functions.call_forward(*functions.arguments, x)
+    saved = outputs[functions.output_count + len(functions.buffers):]
+    upstream = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    gradients = functions.call_backward(*saved, upstream)
+    leaf = x.clone().requires_grad_(True)
+    expected = torch.autograd.grad(module(leaf)[0], [*module.parameters(), leaf], upstream)
+    assert all(torch.equal(g, e) for g, e in zip((*gradients[:len(functions.params)], gradients[-1]),
+                                                 expected, strict=True))
+
+
+def _sum_graph(term_kind: str) -> torch.fx.GraphModule:
+    """``add(term, other)``, ``term`` made by mm: read once, read again, or seen through a view (one its op's schema
+    declares, or one it does not: ``_unsafe_view``)."""
+    graph = torch.fx.Graph()
+    a, b, other = (graph.placeholder(name) for name in ("a", "b", "other"))
+    term = graph.call_function(torch.ops.aten.mm.default, (a, b))
+    views = {"view": torch.ops.aten.view.default, "hidden_view": torch.ops.aten._unsafe_view.default}
+    if term_kind in views:
+        term = graph.call_function(views[term_kind], (term, [8, 8]))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (term, other))
+    graph.output((total, term) if term_kind == "read_again" else (total,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    product = torch.empty(8, 8, device="meta")
+    for node in gm.graph.nodes:  # the traced values the rule checks: a view shares the product's storage
+        if node.op != "output":
+            node.meta["val"] = torch.empty(8, 8, device="meta")
+        if node.target is torch.ops.aten.mm.default:
+            node.meta["val"] = product
+        if node.target in views.values():
+            node.meta["val"] = product.view(8, 8)
+    return gm
+
+
+@pytest.mark.parametrize("term_kind", ["read_once", "read_again", "view", "hidden_view"])
+def test_a_sum_is_written_over_a_term_only_when_nothing_else_holds_it(term_kind):
+    gm = _sum_graph(term_kind)
+    assert write_over_dead_gradients(gm) == (1 if term_kind == "read_once" else 0)
+    a, b, other = (torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    result = gm(a, b, other)
+    assert torch.equal(result[0], a @ b + other)
