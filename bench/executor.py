@@ -135,20 +135,35 @@ def _per_node_autograd_step(partition, inputs, labels, optimizer) -> None:
 
 def overhead_rows(model: str, batch_size: int, steps: int, threads: int, compiled: bool = False) -> list[dict]:
     """Keep-all schedule against plain PyTorch (and the per-node floor), per granularity, each method in a
-    process of its own and their steps interleaved (see :class:`_Workers`); ``compiled``: also POET --compile's
-    keep-all and torch.compile of the whole model."""
+    process of its own and their steps taken in turn (see :class:`_Workers`), in two rounds of half the steps
+    whose processes start in opposite orders; ``compiled``: also POET --compile's keep-all and torch.compile of
+    the whole model."""
     base = {"model": model, "batch_size": batch_size, "threads": threads}
-    names = ("schedule", "autograd", "plain", "floor") + (("compiled", "torch.compile") if compiled else ())
-    with _Workers(names) as workers:
-        workers.setup("plain", {**base, "method": "plain"})
-        if compiled:
-            workers.setup("torch.compile", {**base, "method": "torch.compile"})
-        rows = []
-        for granularity, depth in (("layer", 1), ("block", 2), ("block", 1)):
-            infos = {name: workers.setup(name, {**base, "method": name, "granularity": granularity, "depth": depth})
-                     for name in names if name not in ("plain", "torch.compile")}
-            rows.append(_overhead_row(workers, names, steps, infos["schedule"]))
-    return rows
+    names = ("plain", "floor", "autograd", "schedule") + (("compiled", "torch.compile") if compiled else ())
+    granularities = (("layer", 1), ("block", 2), ("block", 1))
+    times_s = {g: {name: [] for name in names} for g in granularities}
+    faults = {g: {name: [] for name in names} for g in granularities}
+    infos = {}
+    for round_names, round_steps in ((names, steps - steps // 2), (names[::-1], steps // 2)):
+        if round_steps == 0:
+            continue
+        with _Workers(round_names) as workers:
+            workers.setup("plain", {**base, "method": "plain"})
+            if compiled:
+                workers.setup("torch.compile", {**base, "method": "torch.compile"})
+            for granularity, depth in granularities:
+                for name in round_names:
+                    if name not in ("plain", "torch.compile"):
+                        info = workers.setup(name, {**base, "method": name, "granularity": granularity,
+                                                    "depth": depth})
+                        if name == "schedule":
+                            infos[granularity, depth] = info
+                for _ in range(round_steps):
+                    for name in round_names:
+                        seconds, page_faults = workers.step(name)
+                        times_s[granularity, depth][name].append(seconds)
+                        faults[granularity, depth][name].append(page_faults)
+    return [_overhead_row(names, times_s[g], faults[g], infos[g]) for g in granularities]
 
 
 class _Workers:
@@ -156,7 +171,11 @@ class _Workers:
     wait on their pipes), the methods taking turns, so drift on a shared machine hits them alike while each
     has a C heap of its own. In one process, glibc's heap (its trim and mmap thresholds, its free blocks) is
     shared, and one workload's frees decide the other's page faults: resnet18_cifar at block:2 with glibc's
-    default, POET alone 0 faults per step, plain alone 30,000; interleaved in one process, 3,300 and 1,800."""
+    default, POET alone 0 faults per step, plain alone 30,000; interleaved in one process, 3,300 and 1,800.
+
+    Processes running the same steps are not equally fast: five of plain resnet18_cifar (batch 128), steps in a
+    shuffled turn, had medians up to 4% apart, the last started fastest; POET's started before plain's measured
+    1.031x, after it 1.007x. So part 1 runs two rounds whose processes start in opposite orders."""
 
     def __init__(self, names) -> None:
         import multiprocessing
@@ -272,15 +291,8 @@ def _overhead_method(spec: dict):
     return step, info
 
 
-def _overhead_row(workers: _Workers, names, steps: int, info: dict) -> dict:
-    """Steps of every method in turn (the first two of each ran at setup); ratios per step against plain's."""
-    times_s: dict[str, list[float]] = {name: [] for name in names}
-    faults: dict[str, list[int]] = {name: [] for name in names}
-    for _ in range(steps):
-        for name in names:
-            seconds, page_faults = workers.step(name)
-            times_s[name].append(seconds)
-            faults[name].append(page_faults)
+def _overhead_row(names, times_s: dict[str, list[float]], faults: dict[str, list[int]], info: dict) -> dict:
+    """One granularity's row from its steps (both rounds): ratios per step against plain's, taken beside it."""
 
     def paired(name: str) -> list[float]:
         return sorted(a / b for a, b in zip(times_s[name], times_s["plain"], strict=True))
@@ -1005,7 +1017,8 @@ def _mb(value) -> str:
 
 def _print_overhead(model: str, args, batch_size: int, log) -> list[dict]:
     print(f"\n## 1. {model}: no memory pressure: keep-all schedule against plain PyTorch, batch {batch_size} "
-          f"(each method in a process of its own, their steps taken in turn; medians of {args.overhead_steps} steps; "
+          f"(each method in a process of its own, their steps taken in turn, in two rounds whose processes start in "
+          f"opposite orders; medians of {args.overhead_steps} steps; "
           "ratio: median of the per-step ratios, with its quartiles; POET: the executor as users get it, node "
           "functions and every step after the first lowered to one straight-line program; autograd: the same "
           "executor with node_functions=False, every node under autograd (the executor before the lowering); "
