@@ -226,16 +226,18 @@ def _overhead_worker(pipe) -> None:
     import resource
     import traceback
 
-    run = None
+    run, close = None, None
     while True:
         command, payload = pipe.recv()
+        if command in ("stop", "setup") and close is not None:  # the last method's executor goes first
+            close()
+            run, close = None, None
         if command == "stop":
             return
         try:
             if command == "setup":
                 torch.set_num_threads(payload["threads"])
-                run = None
-                run, info = _overhead_method(payload)
+                run, info, close = _overhead_method(payload)
                 for _ in range(2):
                     run()
                 answer = info() if callable(info) else info
@@ -250,7 +252,8 @@ def _overhead_worker(pipe) -> None:
 
 
 def _overhead_method(spec: dict):
-    """(step function, info) of one part-1 method: its model bundle built here, with seed 0 as every other's."""
+    """(step function, info, close or None) of one part-1 method: its model bundle built here, with seed 0 as every
+    other's."""
     from device_agent.executor import ScheduleExecutor, plain_train_step
     from host.costs import load_profile, price_graph
     from host.graph.partition import partition_from_traced
@@ -262,7 +265,7 @@ def _overhead_method(spec: dict):
     bundle = get_model_spec(spec["model"]).bundle(spec["batch_size"], seed=0)
     sgd = torch.optim.SGD(bundle.module.parameters(), lr=0.01, momentum=0.9)
     if method == "plain":
-        return (lambda: plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, sgd)), {}
+        return (lambda: plain_train_step(bundle.module, bundle.loss_fn, bundle.inputs, bundle.labels, sgd)), {}, None
     if method == "torch.compile":
         forward = torch.compile(bundle.module)
 
@@ -270,11 +273,11 @@ def _overhead_method(spec: dict):
             sgd.zero_grad(set_to_none=True)
             bundle.training_loss(forward(*bundle.inputs), bundle.labels).backward()
             sgd.step()
-        return whole_step, {}
+        return whole_step, {}, None
     traced = trace_model(bundle, granularity=spec["granularity"], block_depth=spec["depth"])
     partition = partition_from_traced(traced)
     if method == "floor":
-        return (lambda: _per_node_autograd_step(partition, bundle.inputs, bundle.labels, sgd)), {}
+        return (lambda: _per_node_autograd_step(partition, bundle.inputs, bundle.labels, sgd)), {}, None
     priced = price_graph(traced.graph, load_profile("a72"))
     schedule = solve_schedule(priced, SolveOptions(ram_budget_bytes=no_remat_peak_bytes(priced))).schedule
     executor = ScheduleExecutor(partition, schedule, node_functions=method != "autograd",
@@ -288,7 +291,7 @@ def _overhead_method(spec: dict):
         return {"granularity": _granularity_text((spec["granularity"], spec["depth"])), "nodes": traced.graph.size,
                 "instructions": len(schedule.instructions), "lowered": last["result"].lowered,
                 "autograd_nodes": len(executor.autograd_nodes)}
-    return step, info
+    return step, info, executor.close
 
 
 def _overhead_row(names, times_s: dict[str, list[float]], faults: dict[str, list[int]], info: dict) -> dict:
@@ -311,7 +314,7 @@ def _overhead_row(names, times_s: dict[str, list[float]], faults: dict[str, list
         **info,
         "plain_s": plain_s,
         "schedule_s": statistics.median(times_s["schedule"]),
-        "ratio": ratio,  # median over steps of schedule/plain, each pair back to back
+        "ratio": ratio,  # median over steps of schedule/plain, each pair from one turn
         "ratio_q1": ratios[len(ratios) // 4],
         "ratio_q3": ratios[(3 * len(ratios)) // 4],
         "floor_ratio": statistics.median(paired("floor")),
