@@ -135,3 +135,22 @@ def test_an_ejection_move_keeps_a_tensor_the_local_search_cannot_and_the_plan_co
     assert kept_now  # a tensor the greedy evicted is in RAM throughout
     assert plan_energy_j(plans[-1], priced) < plan_energy_j(found[0], priced) * (1 - 1e-4)
     assert not list(ejection_search(priced, found, budget, None, deadline=Deadline(0.0)))
+
+
+def test_the_greedy_undoes_a_recomputation_whose_chain_peaks_at_the_worst_stage():
+    """From the eviction cover's evictions on a residual block at 26% of its peak, the worst stage overflows while
+    it recomputes a chain for its inputs; no tensor held across it frees enough. Keeping or paging one of the
+    recomputed tensors does: the greedy finds a schedule 0.15% above the bound, where it used to get stuck."""
+    from host.solver.eviction_bound import eviction_cover
+
+    priced = price_simply(residual_graph(1, [100, 200, 400, 100, 200, 100, 400]), page_j_per_byte=1e-6)
+    budget = max(minimum_ram_bytes(priced), 0.26014 * no_remat_peak_bytes(priced))
+    runtime = 2.0 * priced.base_runtime_s
+    cover = eviction_cover(priced, budget, runtime)
+    found = greedy_policy_search(priced, budget, runtime, start=cover.start(priced.graph.size))
+    assert found is not None
+    plan = found[0]
+    assert model_stage_peaks(plan, priced).max() <= budget
+    report = evaluate_plan(plan, priced, ram_budget_bytes=budget, runtime_budget_s=runtime)
+    assert report.energy_j == pytest.approx(0.60283, rel=1e-5)
+    assert report.energy_j <= cover.bound_j * 1.002
