@@ -232,8 +232,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                 if stronger is not None:
                     floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
                     # Its evictions start the greedy even where its bound is no higher: covers of equal cost differ,
-                    # and on hf_bert at 50% on m4 this one's greedy meets the bound (0.081838 J) where the first's
-                    # stopped 1.08% above it.
+                    # and on hf_bert at 45% on m4 this one's greedy meets the bound (0.0818268 J) where the first's
+                    # stops 0.05% above it.
                     start = stronger.start(priced.graph.size)
                     if (stronger.recomputed or stronger.paged) and start != cover_start:
                         # The warm start's share may be spent by now: this greedy gets the bound's share again.

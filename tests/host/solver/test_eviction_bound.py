@@ -179,9 +179,9 @@ def test_a_solve_not_proven_by_the_first_bound_tries_second_restorations():
 
 @pytest.mark.slow  # ~16 s
 def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no_higher():
-    """hf_bert at 45% on m4: both covering problems prove 0.081827 J, with different evictions. The greedy from the
-    first's stops 0.18% above the bound (0.081975 J), outside the default gap (0.1%); from the second's at the bound,
-    which proves it optimal."""
+    """hf_bert at 45% on m4: both covering problems prove 0.0818268 J, with different evictions. The greedy from the
+    first's stops 0.05% above the bound (0.0818692 J), outside a gap of 0.01%; from the second's at the bound, which
+    proves it optimal."""
     from host.costs.pricing import price_graph
     from host.run.sources import ModelSource, load_platform
 
@@ -191,11 +191,13 @@ def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no
     second = eviction_cover(priced, budget, runtime, second_restorations=True)
     assert first.closed and second.closed and second.bound_j == pytest.approx(first.bound_j, rel=RTOL)
     assert first.start(priced.graph.size) != second.start(priced.graph.size)
-    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, time_limit_s=60))
+    gap = 1e-4
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, time_limit_s=60,
+                                                 mip_gap=gap))
     rows = {row.name: row for row in result.baselines}
-    assert rows[GREEDY_FROM_COVER].energy_j > first.bound_j * (1 + 1.5e-3)
+    assert rows[GREEDY_FROM_COVER].energy_j > first.bound_j * (1 + 3 * gap)
     stronger_greedy_j = rows[GREEDY_FROM_STRONGER_COVER].energy_j
-    assert stronger_greedy_j < rows[GREEDY_FROM_COVER].energy_j and stronger_greedy_j <= second.bound_j / (1 - 1e-3)
+    assert stronger_greedy_j < rows[GREEDY_FROM_COVER].energy_j and stronger_greedy_j <= second.bound_j / (1 - gap)
     assert result.status == "optimal" and result.objective_j == pytest.approx(stronger_greedy_j, rel=1e-9)
     assert result.model_columns == 0, "the MILP was built although the bound already proved a baseline"
 
