@@ -9,6 +9,7 @@ limit; when it hits it, the speed-up shown is a lower bound (marked ">=").
     python bench/solver.py --traced             # traced models users bring, poet-edge alone, timed end to end
     python bench/solver.py --hard               # issue 18's table: hard budgets, the best baseline beside POET
     python bench/solver.py --hard resnet18_cifar@40%:jetsontx2 --time-limit 60 --json
+    python bench/solver.py --hard --local-profile local.json   # keep this run's local profile to re-run on it
 
 Traced cases time the whole path a user waits for (trace, pricing, model build, warm start and
 solve) against the issue's targets: 60 s and a 1% gap for resnet50 and bert, 120 s and 2% for a
@@ -72,9 +73,33 @@ def hard_case_name(model: str, share: float, platform: str) -> str:
     return f"{model}@{share:.0%}:{platform}"
 
 
-def run_hard_cases(names: list[str], solver: str, time_limit_s: float | None) -> list[dict]:
+def hard_case_profile(platform: str, local_profile_path: str | None):
+    """The profile a hard case is priced on: a shipped one by name; ``local`` measured on this machine, or, given
+    ``local_profile_path``, read from that file if it exists, else measured and saved there (so that a table can be
+    re-run on the same measurement: each quick measurement differs)."""
+    import os
+
+    from host.costs.profile import ProfileError, save_profile
+    from host.run.sources import LOCAL_PLATFORM, load_platform
+
+    if platform != LOCAL_PLATFORM or local_profile_path is None:
+        return load_platform(platform)
+    if os.path.exists(local_profile_path):
+        print(f"  reading the local profile from {local_profile_path}", file=sys.stderr, flush=True)
+        try:
+            return load_platform(local_profile_path)
+        except ProfileError as error:
+            raise SystemExit(f"--local-profile: {error}; fix the file, or remove it to measure the profile again") from None
+    profile = load_platform(LOCAL_PLATFORM)
+    save_profile(profile, local_profile_path)
+    print(f"  measured the local profile; saved it to {local_profile_path}", file=sys.stderr, flush=True)
+    return profile
+
+
+def run_hard_cases(names: list[str], solver: str, time_limit_s: float | None,
+                   local_profile_path: str | None = None) -> list[dict]:
     """Trace each model once, price it per platform, solve each case with its limit (or ``time_limit_s``)."""
-    from host.run.sources import ModelSource, load_platform
+    from host.run.sources import ModelSource
 
     chosen = [case for case in HARD_CASES if not names or hard_case_name(*case[:3]) in names]
     unknown = set(names) - {hard_case_name(*case[:3]) for case in HARD_CASES}
@@ -86,7 +111,7 @@ def run_hard_cases(names: list[str], solver: str, time_limit_s: float | None) ->
         if model not in graphs:
             graphs[model] = ModelSource(HARD_MODELS.get(model, model)).resolve().graph
         if platform not in profiles:
-            profiles[platform] = load_platform(platform)
+            profiles[platform] = hard_case_profile(platform, local_profile_path)
         priced = price_graph(graphs[model], profiles[platform])
         peak = no_remat_peak_bytes(priced)
         limit_s = time_limit_s or limit_s
@@ -239,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds per hard case (default: each case's target, 60 or 120)")
     parser.add_argument("--json", action="store_true", help="print the hard cases' rows as one JSON object")
+    parser.add_argument("--local-profile", metavar="FILE", default=None,
+                        help="the hard cases' local profile: read from FILE if it exists, else measured and saved "
+                             "there (default: measured, not saved)")
     args = parser.parse_args(argv)
     if args.hard is not None:
-        hard_rows = run_hard_cases(args.hard, args.solver, args.time_limit)
+        hard_rows = run_hard_cases(args.hard, args.solver, args.time_limit, args.local_profile)
         if args.json:
             print(json.dumps({"rows": hard_rows}, indent=2))
         else:

@@ -1,0 +1,44 @@
+"""bench/solver.py --hard --local-profile: a run's measured local profile is kept, and a second run prices on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _hard_local_row(profile_path: Path, cwd: Path) -> tuple[dict, str]:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "solver.py"), "--hard", "resnet18_cifar@50%:local", "--time-limit", "5",
+         "--json", "--local-profile", str(profile_path)],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out.stdout)["rows"]
+    return row, out.stderr
+
+
+def test_a_saved_local_profile_prices_the_next_run(tmp_path):
+    profile_path = tmp_path / "local.json"
+    first, first_log = _hard_local_row(profile_path, tmp_path)
+    assert "measured the local profile; saved it to" in first_log and profile_path.exists()
+    second, second_log = _hard_local_row(profile_path, tmp_path)
+    assert "reading the local profile from" in second_log and "measured" not in second_log
+    # Each quick measurement differs; priced on the same file, the baselines cost the same.
+    assert second["best_baseline_energy_j"] == first["best_baseline_energy_j"]
+    assert second["ram_budget_bytes"] == first["ram_budget_bytes"]
+
+
+def test_a_malformed_local_profile_is_named_with_its_fix(tmp_path):
+    profile_path = tmp_path / "local.json"
+    profile_path.write_text('{"name": "local", "flash": ')
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "solver.py"), "--hard", "resnet18_cifar@50%:local", "--local-profile",
+         str(profile_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"--local-profile: {profile_path}: invalid JSON" in out.stderr and "remove it to measure" in out.stderr
+    assert not out.stdout
