@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -77,8 +78,6 @@ def hard_case_profile(platform: str, local_profile_path: str | None):
     """The profile a hard case is priced on: a shipped one by name; ``local`` measured on this machine, or, given
     ``local_profile_path``, read from that file if it exists, else measured and saved there (so that a table can be
     re-run on the same measurement: each quick measurement differs)."""
-    import os
-
     from host.costs.profile import ProfileError, save_profile
     from host.run.sources import LOCAL_PLATFORM, load_platform
 
@@ -91,7 +90,10 @@ def hard_case_profile(platform: str, local_profile_path: str | None):
         except ProfileError as error:
             raise SystemExit(f"--local-profile: {error}; fix the file, or remove it to measure the profile again") from None
     profile = load_platform(LOCAL_PLATFORM)
-    save_profile(profile, local_profile_path)
+    try:
+        save_profile(profile, local_profile_path)
+    except (ProfileError, OSError) as error:
+        raise SystemExit(f"--local-profile: {error}") from None
     print(f"  measured the local profile; saved it to {local_profile_path}", file=sys.stderr, flush=True)
     return profile
 
@@ -268,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the hard cases' local profile: read from FILE if it exists, else measured and saved "
                              "there (default: measured, not saved)")
     args = parser.parse_args(argv)
+    if args.local_profile is not None and not os.path.exists(args.local_profile):
+        directory = os.path.dirname(args.local_profile) or "."
+        if not os.path.isdir(directory):
+            parser.error(f"--local-profile: directory {directory!r} does not exist; create it first")
     if args.hard is not None:
         hard_rows = run_hard_cases(args.hard, args.solver, args.time_limit, args.local_profile)
         if args.json:

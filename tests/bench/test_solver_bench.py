@@ -42,3 +42,15 @@ def test_a_malformed_local_profile_is_named_with_its_fix(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert f"--local-profile: {profile_path}: invalid JSON" in out.stderr and "remove it to measure" in out.stderr
     assert not out.stdout
+
+
+def test_a_local_profile_in_a_missing_directory_is_refused_before_any_work(tmp_path):
+    profile_path = tmp_path / "missing" / "local.json"
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "solver.py"), "--hard", "resnet18_cifar@50%:local", "--local-profile",
+         str(profile_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--local-profile: directory '{profile_path.parent}' does not exist" in out.stderr
+    assert "measured the local profile" not in out.stderr and "resnet18_cifar@50%" not in out.stderr  # no work done
+    assert not out.stdout
