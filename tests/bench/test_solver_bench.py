@@ -27,8 +27,9 @@ def test_a_saved_local_profile_prices_the_next_run(tmp_path):
     assert "measured the local profile; saved it to" in first_log and profile_path.exists()
     second, second_log = _hard_local_row(profile_path, tmp_path)
     assert "reading the local profile from" in second_log and "measured" not in second_log
-    # Each quick measurement differs; priced on the same file, the baselines cost the same.
-    assert second["best_baseline_energy_j"] == first["best_baseline_energy_j"]
+    # Each quick measurement differs; priced on the same file, computing every node once costs the same. (The
+    # baselines' energies are no witness: their search stops at deadlines, so two runs may end it apart.)
+    assert second["compute_once_energy_j"] == first["compute_once_energy_j"] > 0
     assert second["ram_budget_bytes"] == first["ram_budget_bytes"]
 
 
