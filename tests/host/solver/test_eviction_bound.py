@@ -9,7 +9,14 @@ from host.solver.eviction_bound import CLOSED_RTOL, eviction_bound_j, eviction_c
 from host.solver.milp import MilpResult
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 
-from .graphs import chain_graph, inverted_residual_graph, price_simply, random_training_graph, residual_graph
+from .graphs import (
+    chain_graph,
+    inverted_residual_graph,
+    price_simply,
+    random_training_graph,
+    residual_graph,
+    training_graph_from_forward,
+)
 
 RTOL = 1e-6
 
@@ -117,14 +124,15 @@ def test_a_live_input_read_below_a_recomputed_tensors_dead_inputs_is_restored_tw
     """Three residual blocks at 40% of their no-remat peak. A recomputed live tensor (a block's ReLU output) reads
     dead ones below it (the add, the BatchNorm), whose recomputations read live convolution outputs in turn: those
     are restored twice where they are absent before and again after. Followed only through the recomputed
-    tensor's own inputs, the bound was 1.50273 J; through its dead inputs it is 1.60263 J, the optimum 1.60293 J."""
+    tensor's own inputs, the bound was 1.50273 J; through its dead inputs it is 1.60263 J; with the chains a solved
+    cover needs (recomputations through live tensors too) 1.60273 J; the optimum is 1.60293 J."""
     priced = price_simply(residual_graph(3, [100, 400, 100, 400, 100, 200, 200, 400, 200, 400, 100, 400, 200, 100,
                                              200]), page_j_per_byte=1e-3)
     budget = max(minimum_ram_bytes(priced), 0.39642 * no_remat_peak_bytes(priced))
     bound = eviction_bound_j(priced, budget, 1.5 * priced.base_runtime_s, second_restorations=True)
     optimum = _milp_optimum(priced, budget, 1.5)
     assert optimum.status == "optimal", optimum.message
-    assert bound == pytest.approx(1.60263, rel=1e-5)
+    assert bound == pytest.approx(1.60273, rel=1e-5)
     assert bound <= optimum.objective_j * (1 + RTOL)
 
 
@@ -200,6 +208,65 @@ def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no
     assert stronger_greedy_j < rows[GREEDY_FROM_COVER].energy_j and stronger_greedy_j <= second.bound_j / (1 - gap)
     assert result.status == "optimal" and result.objective_j == pytest.approx(stronger_greedy_j, rel=1e-9)
     assert result.model_columns == 0, "the MILP was built although the bound already proved a baseline"
+
+
+def test_chains_of_recomputations_through_live_tensors_bound_one_layer_hf_bert_next_to_its_optimum(monkeypatch):
+    """hf_bert with one encoder layer at 40% on m4, where the MILP proves 0.061165 J (120 s). Recomputing the head's
+    LayerNorm output recomputes, through a dozen live tensors, the attention product that its backward reads again:
+    twice in one gap. Followed only one live tensor deep, the bound is 0.0594725 J (2.7% below the optimum) and the
+    greedy from the cover 0.0638809 J; with the chains a solved cover needs, the bound is 0.0610590 J and the greedy
+    from its cover within 0.2% of it, which proves that schedule within 0.2% of the optimum without the MILP."""
+    import transformers
+
+    from host.costs.pricing import price_graph
+    from host.run.sources import ModelSource, load_platform
+    from host.solver.policy_search import greedy_policy_search, plan_energy_j
+
+    bert_config = transformers.BertConfig
+    monkeypatch.setattr(transformers, "BertConfig", lambda **fields: bert_config(**{**fields, "num_hidden_layers": 1}))
+    priced = price_graph(ModelSource("hf_bert").resolve().graph, load_platform("m4"))
+    budget, runtime = 0.4 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
+    cover = eviction_cover(priced, budget, runtime, second_restorations=True)
+    assert cover.closed and cover.bound_j == pytest.approx(0.0610590, rel=1e-5)
+    plan, _ = greedy_policy_search(priced, budget, runtime, start=cover.start(priced.graph.size))
+    assert cover.bound_j <= plan_energy_j(plan, priced) <= cover.bound_j * 1.002
+
+
+def _chain_case(seed: int):
+    """A random graph, or a chain whose every activation its backward reads (so recomputing one recomputes the live
+    ones below it), with a random budget, paging price and runtime factor."""
+    import random
+
+    rng = random.Random(seed)
+    size = rng.randint(6, 12)
+    if rng.random() < 0.5:
+        graph = random_training_graph(seed + 1, size)
+    else:
+        graph = training_graph_from_forward("chain", [[]] + [[i - 1] for i in range(1, size)],
+                                            [rng.choice([64, 128, 256, 512]) for _ in range(size)],
+                                            [0] + [rng.choice([100, 1000, 10000]) for _ in range(size - 1)])
+    priced = price_simply(graph, page_j_per_byte=rng.choice([1e-6, 1e-4, 1e-3]))
+    budget = max(minimum_ram_bytes(priced), rng.uniform(0.2, 0.7) * no_remat_peak_bytes(priced))
+    return priced, budget, rng.choice([1.2, 1.5, 3.0])
+
+
+@pytest.mark.parametrize("seed", [479, 487, 503, 523, 540])
+def test_the_bound_with_chains_added_round_by_round_never_exceeds_the_proven_optimum(seed, monkeypatch):
+    """Cases where solved covers need chains of recomputations (several rounds of them on seeds 479 and 487): the bound
+    stays at or below the MILP's proven optimum. (Of 101 such cases this generator gave from seed 0 in 240 s, none
+    exceeded it.)"""
+    from host.solver import eviction_bound
+
+    added: list[int] = []
+    violated_chains = eviction_bound._violated_chains
+    monkeypatch.setattr(eviction_bound, "_violated_chains",
+                        lambda *args: added.append(len(found := violated_chains(*args))) or found)
+    priced, budget, runtime_factor = _chain_case(seed)
+    stronger = eviction_bound_j(priced, budget, runtime_factor * priced.base_runtime_s, second_restorations=True)
+    assert sum(added) > 0, "no chain was added: the case no longer tests them"
+    optimum = _milp_optimum(priced, budget, runtime_factor)
+    assert optimum.status == "optimal", optimum.message
+    assert stronger <= optimum.objective_j * (1 + RTOL)
 
 
 def test_a_cover_cut_short_within_its_closing_tolerance_counts_as_closed():
