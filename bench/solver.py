@@ -30,12 +30,18 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from host.costs import load_profile, price_graph
 from host.graph.poet2022 import build_poet2022_graph
 from host.graph.trace import trace_model
 from host.graph.zoo import BertMaskedLM, ModelBundle, get_model_spec
 from host.solver.solve import SolveOptions, no_remat_peak_bytes, solve_schedule
+
+# The hard cases' MobileNetV2 comes from the test models (tests.models.huggingface): importable from any directory.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 # (model, platform, RAM budget: bytes if > 1 else a share of the no-remat peak, runtime factor)
 CASES = {
