@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,3 +57,16 @@ def test_a_local_profile_in_a_missing_directory_is_refused_before_any_work(tmp_p
     assert f"--local-profile: directory '{profile_path.parent}' does not exist" in out.stderr
     assert "measured the local profile" not in out.stderr and "resnet18_cifar@50%" not in out.stderr  # no work done
     assert not out.stdout
+
+
+@pytest.mark.slow  # ~30 s: traces MobileNetV2
+def test_the_hard_tables_test_model_resolves_from_another_directory(tmp_path):
+    """MobileNetV2's hard cases name a test model (tests.models.huggingface): run from outside the repository, the
+    table still finds it (it once ended 17 minutes in with a traceback)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "solver.py"), "--hard", "mobilenet_v2@50%:a72", "--time-limit", "5",
+         "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out.stdout)["rows"]
+    assert row["case"] == "mobilenet_v2@50%:a72" and row["nodes"] == 410 and row["poet_energy_j"] > 0
