@@ -227,7 +227,7 @@ def test_chains_of_recomputations_through_live_tensors_bound_one_layer_hf_bert_n
     monkeypatch.setattr(transformers, "BertConfig", lambda **fields: bert_config(**{**fields, "num_hidden_layers": 1}))
     priced = price_graph(ModelSource("hf_bert").resolve().graph, load_platform("m4"))
     budget, runtime = 0.4 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
-    cover = eviction_cover(priced, budget, runtime, second_restorations=True)
+    cover = eviction_cover(priced, budget, runtime, second_restorations=True, time_limit_s=120)
     assert cover.closed and cover.bound_j == pytest.approx(0.0610590, rel=1e-5)
     plan, _ = greedy_policy_search(priced, budget, runtime, start=cover.start(priced.graph.size))
     assert cover.bound_j <= plan_energy_j(plan, priced) <= cover.bound_j * 1.002
