@@ -46,8 +46,8 @@ recomputed, reaches the attention product through a dozen live tensors. Columns 
 restores once where the chain restores it twice, at stages without room to break the chain for nothing, a few hundred
 columns at a time, the problem solved again (with its objective at least the last one's optimum) until its cover
 needs none or a round does not close. On hf_bert with one encoder layer at 40% on m4 the bound rises from 0.0594725 J
-(2.7% below the MILP's proven optimum, 0.061165 J) to 0.0610590 J, and the greedy from its cover finds a schedule
-within 0.2% of it; on the two-layer hf_bert at 30% on m4 the second round does not close in 18 s and proves +0.32%.
+to 0.0610590 J (the MILP finds 0.0611650 J and proves 0.0610885 J in 120 s), and the greedy from its cover finds a
+schedule within 0.2% of it; on the two-layer hf_bert at 30% on m4 the second round does not close in 18 s and proves +0.32%.
 
 Choosing the cheapest evictions that cover every stage's excess (binaries per tensor and gap, the
 recomputation time within the runtime budget) is a small covering problem whose every schedule's

@@ -212,11 +212,12 @@ def test_the_second_covers_evictions_start_the_greedy_even_where_its_bound_is_no
 
 @pytest.mark.slow  # ~13 s: traces hf_bert
 def test_chains_of_recomputations_through_live_tensors_bound_one_layer_hf_bert_next_to_its_optimum(monkeypatch):
-    """hf_bert with one encoder layer at 40% on m4, where the MILP proves 0.061165 J (120 s). Recomputing the head's
-    LayerNorm output recomputes, through a dozen live tensors, the attention product that its backward reads again:
-    twice in one gap. Followed only one live tensor deep, the bound is 0.0594725 J (2.7% below the optimum) and the
-    greedy from the cover 0.0638809 J; with the chains a solved cover needs, the bound is 0.0610590 J and the greedy
-    from its cover within 0.2% of it, which proves that schedule within 0.2% of the optimum without the MILP."""
+    """hf_bert with one encoder layer at 40% on m4, where the MILP finds 0.0611650 J and proves 0.0610885 J (120 s).
+    Recomputing the head's LayerNorm output recomputes, through a dozen live tensors, the attention product that its
+    backward reads again: twice in one gap. Followed only one live tensor deep, the bound is 0.0594725 J (2.6-2.8%
+    below the optimum) and the greedy from the cover 0.0638809 J; with the chains a solved cover needs, the bound is
+    0.0610590 J and the greedy from its cover within 0.2% of it, which proves that schedule within 0.2% of the optimum
+    without the MILP."""
     import transformers
 
     from host.costs.pricing import price_graph
