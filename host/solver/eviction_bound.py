@@ -76,8 +76,9 @@ from host.solver.policy_search import KEEP, PAGE, RECOMPUTE, GreedyStart, KeptGa
 # evictions start the greedy: on resnet50 at 30% on m4 a 15 s cover led to 45.83 J, a 5 s one to 47.30 J; it closes
 # in 17.8 s.
 EVICTION_BOUND_TIME_LIMIT_S = 20.0
-# How deep the tensors a recomputation reads are followed, looking for those it restores twice.
+# The dead tensors followed below a recomputed live input, looking for the live inputs its recomputation reads.
 _DEAD_PATH_DEPTH = 6
+# How deep chains of recomputations (through live and dead tensors) are followed from a live tensor.
 _CHAIN_DEPTH = 12
 # At most about this many chain columns are added to the covering problem between two solves.
 _CHAIN_COLUMNS_PER_ROUND = 400
@@ -177,8 +178,8 @@ def _violated_chains(model: _CoverModel, x: np.ndarray, links: list[tuple[int, i
     value = {(stage, by, root): recomputed_only(stage, root) for stage, by, root in chain_roots}
     parent: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     violated: list[tuple[float, list[tuple[int, int, int]]]] = []  # (the stage's room, the chain's columns)
-    # Inputs precede their readers: readers first, so that each tensor's value is final before its inputs are read.
-    for stage, by, reader, d, next_use in sorted(links, key=lambda link: (link[0], link[1], -link[2])):
+    # ``links`` come readers first, so each tensor's value is final before its inputs are read.
+    for stage, by, reader, d, next_use in links:
         if value.get((stage, by, reader), 0.0) < 0.5:
             continue
         if next_use >= 0:
@@ -333,8 +334,9 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
     chain_roots: set[tuple[int, int, int]] = set()  # (t, w, x): x live at t and next used at w
 
     def walk_chains() -> None:
-        """Fill ``links`` and ``chain_roots``: walked once, after the first problem closes (1.6-1.9 s on MobileNetV2 and resnet50)."""
-        for stage in binding if second_restorations and remat else []:
+        """Fill ``links`` (readers first: inputs precede their readers) and ``chain_roots``; walked once, after the
+        first problem closes (1.6-1.9 s on MobileNetV2 and resnet50)."""
+        for stage in binding:
             inputs_here = set(graph.nodes[stage].deps)
             frontier: list[tuple[int, int, int]] = []  # (deadline, tensor, depth)
             for y in live[stage]:
@@ -363,6 +365,7 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                     if (stage, by, d) not in reached:
                         reached.add((stage, by, d))
                         frontier.append((by, d, depth + 1))
+        links.sort(key=lambda link: (link[0], link[1], -link[2]))
 
     def build(active: set[tuple[int, int, int]]) -> _CoverModel:
         """The covering problem with the chain columns of ``active`` (see :func:`_violated_chains`)."""
@@ -567,7 +570,8 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
             best = dataclasses.replace(cover, bound_j=max(cover.bound_j, best.bound_j if best else 0.0))
         else:
             best = dataclasses.replace(best, bound_j=max(cover.bound_j, best.bound_j))
-        first_round_s = first_round_s or time.perf_counter() - round_started
+        if first_round_s is None:
+            first_round_s = time.perf_counter() - round_started
         if not (second_restorations and remat and cover.closed and result.x is not None):
             return best
         if not chain_roots:
