@@ -234,14 +234,18 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     # Its evictions start the greedy even where its bound is no higher: covers of equal cost differ,
                     # and on hf_bert at 45% on m4 this one's greedy meets the bound (0.0818268 J) where the first's
                     # stops 0.05% above it.
-                    start = stronger.start(priced.graph.size)
-                    if (stronger.recomputed or stronger.paged) and start != cover_start:
-                        # The warm start's share may be spent by now: this greedy gets the bound's share again.
+                    # Each round's evictions start a greedy (see EvictionCover.starts); the cheapest is kept.
+                    starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
+                    if starts:
+                        # The warm start's share may be spent by now: these greedies get the bound's share again.
                         greedy_deadline = Deadline(None if options.time_limit_s is None else
                                                    _BOUND_SHARE * options.time_limit_s)
-                        baselines += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
+                        found: list[BaselineResult] = []
+                        for start in starts:
+                            found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
                                                   options.paging, options.paging_in_runtime, greedy_deadline, start,
                                                   GREEDY_FROM_STRONGER_COVER)
+                        baselines += (cheapest_feasible(found) or found)[:1]
                         offers = cheapest_feasible(baselines)
             if offers and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
                 baselines, offers = _search_ejections(priced, options, runtime_budget_s, baselines, offers, started,
