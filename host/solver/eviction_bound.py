@@ -123,7 +123,7 @@ class EvictionCover:
     # (tensor, use stage) for each gap between uses in which the cover does not restore a tensor it evicts elsewhere
     kept_gaps: KeptGaps = frozenset()
     # The covers of the earlier closed rounds (chains of recomputations added between them), latest first
-    earlier: tuple[EvictionCover, ...] = ()
+    earlier_rounds: tuple[EvictionCover, ...] = ()
 
     def start(self, size: int) -> GreedyStart:
         """The evictions as a start for the greedy (host.solver.policy_search): one policy per node (paging
@@ -140,7 +140,7 @@ class EvictionCover:
         more and is nearer a schedule, yet the greedy from it can land higher: hf_bert at 30% on m4 given 600 s, 0.0977507
         J from the second round's cover, 0.0968821 J from the first's."""
         found: list[GreedyStart] = []
-        for cover in (self, *self.earlier):
+        for cover in (self, *self.earlier_rounds):
             start = cover.start(size)
             if (cover.recomputed or cover.paged) and start not in found:
                 found.append(start)
@@ -577,9 +577,9 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         # The evictions of the last problem solved (an unsolved one's best cover may be far from its bound; ``closed``
         # stays true), with the highest bound proven.
         if best is None or cover.closed:
-            earlier = () if best is None or not best.closed else (dataclasses.replace(best, earlier=()), *best.earlier)
+            earlier_rounds = () if best is None else (dataclasses.replace(best, earlier_rounds=()), *best.earlier_rounds)
             best = dataclasses.replace(cover, bound_j=max(cover.bound_j, best.bound_j if best else 0.0),
-                                       earlier=earlier)
+                                       earlier_rounds=earlier_rounds)
         else:
             best = dataclasses.replace(best, bound_j=max(cover.bound_j, best.bound_j))
         if not (second_restorations and remat and cover.closed and result.x is not None):

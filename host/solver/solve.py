@@ -231,17 +231,19 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                           **cover_options)
                 if stronger is not None:
                     floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
-                    # Its evictions start the greedy even where its bound is no higher: covers of equal cost differ,
-                    # and on hf_bert at 45% on m4 this one's greedy meets the bound (0.0818268 J) where the first's
-                    # stops 0.05% above it.
-                    # Each round's evictions start a greedy (see EvictionCover.starts); the cheapest is kept.
+                    # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
+                    # bound is no higher: covers of equal cost differ, and on hf_bert at 45% on m4 this one's greedy
+                    # meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. The cheapest is kept.
                     starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
                     if starts:
-                        # The warm start's share may be spent by now: these greedies get the bound's share again.
-                        greedy_deadline = Deadline(None if options.time_limit_s is None else
-                                                   _BOUND_SHARE * options.time_limit_s)
+                        # The warm start's share may be spent by now: these greedies get the bound's share again, in
+                        # equal parts, so that the first does not leave the others no time.
+                        greedies_started = time.perf_counter()
                         found: list[BaselineResult] = []
-                        for start in starts:
+                        for number, start in enumerate(starts, 1):
+                            greedy_deadline = Deadline(None if options.time_limit_s is None else
+                                                       _BOUND_SHARE * options.time_limit_s * number / len(starts),
+                                                       greedies_started)
                             found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
                                                   options.paging, options.paging_in_runtime, greedy_deadline, start,
                                                   GREEDY_FROM_STRONGER_COVER)
@@ -283,7 +285,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
         return _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
                                 floor_bound_j, message=f"{expired}: the best baseline is returned")
     except KeyboardInterrupt:
-        # Ctrl-C between the warm start and the MILP (the stronger bound, its greedy, building the model): the
+        # Ctrl-C between the warm start and the MILP (the stronger bound, its greedies, building the model): the
         # baselines priced so far are schedules; the best is returned, marked interrupted, as the MILP's would be.
         if not offers:
             raise
@@ -311,7 +313,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
 
 def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: float, reserve_s: float) -> float:
     """The second covering problem's time: at least _STRONGER_BOUND_TIMES the first's, and with a time limit all
-    the time left but what its greedy, the ejection moves and the answer need."""
+    the time left but what its greedies, the ejection moves and the answer need."""
     least_s = _STRONGER_BOUND_TIMES * bound_time_s
     if options.time_limit_s is None:
         return least_s
@@ -358,7 +360,7 @@ _WARM_START_SHARE = 0.175
 _BOUND_SHARE = 1 / 6
 # The one with second restorations (where the first does not prove the answer) is larger and gets at least this many
 # times the first's time, and with a time limit everything until (1 - _EJECTION_SHARE) of it, less the answer's reserve
-# (its greedy and the ejection moves share the rest; the MILP gets what they leave). On MobileNetV2 at 30% on jetsontx2
+# (its greedies and the ejection moves share the rest; the MILP gets what they leave). On MobileNetV2 at 30% on jetsontx2
 # it closes in 57 s (+7.87 mJ above compute-once, the first problem +6.85 mJ), and the greedy from its evictions lands
 # 0.20% above that bound (from the first's, 2.60%); given 30 s it stopped at +7.39 mJ with a poor cover.
 _STRONGER_BOUND_TIMES = 1.5

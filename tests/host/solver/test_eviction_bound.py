@@ -272,22 +272,23 @@ def test_the_bound_with_chains_added_round_by_round_never_exceeds_the_proven_opt
 
 
 def test_each_round_of_chains_starts_a_greedy_and_the_solve_keeps_the_cheapest():
-    """A case where the second round's cover (chains added) starts the greedy at 1.17753 J and the first round's at
-    0.16533 J: both are tried, and the solve's greedy from the second covering problem is the cheaper."""
+    """A case where the greedy from the second round's cover (chains added) lands at 1.17753 J and from the first
+    round's at 0.16533 J: both are tried, and the solve keeps one row for the second covering problem's greedies, the
+    cheaper."""
     from host.solver.policy_search import greedy_policy_search, plan_energy_j
 
     priced, budget, runtime_factor = _chain_case(580)
     runtime = runtime_factor * priced.base_runtime_s
     cover = eviction_cover(priced, budget, runtime, second_restorations=True)
     starts = cover.starts(priced.graph.size)
-    assert len(starts) == 2 and starts[0] == cover.start(priced.graph.size) and cover.earlier[0].closed
+    assert len(starts) == 2 and starts[0] == cover.start(priced.graph.size)
     greedy_j = [plan_energy_j(greedy_policy_search(priced, budget, runtime, start=start)[0], priced)
                 for start in starts]
     assert greedy_j[1] < 0.2 * greedy_j[0]
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=runtime_factor,
                                                  time_limit_s=60, mip_gap=1e-9))
-    rows = {row.name: row for row in result.baselines}
-    assert rows[GREEDY_FROM_STRONGER_COVER].energy_j == pytest.approx(greedy_j[1], rel=1e-9)
+    rows = [row for row in result.baselines if row.name == GREEDY_FROM_STRONGER_COVER]
+    assert len(rows) == 1 and rows[0].energy_j == pytest.approx(greedy_j[1], rel=1e-9)
 
 
 def test_a_cover_cut_short_within_its_closing_tolerance_counts_as_closed():
