@@ -238,8 +238,10 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     if starts:
                         # The warm start's share may be spent by now: these greedies get the bound's share again, in
                         # equal parts, so that the first does not leave the others no time.
+                        # The cheapest so far is offered after each, so that Ctrl-C keeps it.
                         greedies_started = time.perf_counter()
                         found: list[BaselineResult] = []
+                        kept: list[BaselineResult] = []
                         for number, start in enumerate(starts, 1):
                             greedy_deadline = Deadline(None if options.time_limit_s is None else
                                                        _BOUND_SHARE * options.time_limit_s * number / len(starts),
@@ -247,8 +249,10 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                             found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
                                                   options.paging, options.paging_in_runtime, greedy_deadline, start,
                                                   GREEDY_FROM_STRONGER_COVER)
-                        baselines += (cheapest_feasible(found) or found)[:1]
-                        offers = cheapest_feasible(baselines)
+                            baselines = [row for row in baselines if not any(row is old for old in kept)]
+                            kept = (cheapest_feasible(found) or found)[:1]
+                            baselines += kept
+                            offers = cheapest_feasible(baselines)
             if offers and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
                 baselines, offers = _search_ejections(priced, options, runtime_budget_s, baselines, offers, started,
                                                       reserve_s, progress)

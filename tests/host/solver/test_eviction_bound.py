@@ -291,6 +291,29 @@ def test_each_round_of_chains_starts_a_greedy_and_the_solve_keeps_the_cheapest()
     assert len(rows) == 1 and rows[0].energy_j == pytest.approx(greedy_j[1], rel=1e-9)
 
 
+def test_ctrl_c_during_a_later_rounds_greedy_keeps_the_schedule_of_the_one_before(monkeypatch):
+    """The case above, stopped (KeyboardInterrupt) while the greedy from the first round's cover runs: the answer is
+    marked interrupted and keeps the greedy from the second round's cover (1.17753 J) among its baselines."""
+    from host.solver import solve
+
+    calls: list[int] = []
+    price_greedy = solve.price_greedy
+
+    def interrupted_on_the_second_call(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return price_greedy(*args)
+
+    monkeypatch.setattr(solve, "price_greedy", interrupted_on_the_second_call)
+    priced, budget, runtime_factor = _chain_case(580)
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=runtime_factor,
+                                                 time_limit_s=60, mip_gap=1e-9))
+    assert len(calls) == 2 and result.interrupted
+    rows = [row for row in result.baselines if row.name == GREEDY_FROM_STRONGER_COVER]
+    assert len(rows) == 1 and rows[0].energy_j == pytest.approx(1.17753, rel=1e-9)
+
+
 def test_a_cover_cut_short_within_its_closing_tolerance_counts_as_closed():
     """HiGHS can stop at its time limit with its best cover 0.0045% above its bound (MobileNetV2 at 30% on jetsontx2):
     that cover is closed, and the solve goes on to the second problem; a cover farther from its bound is not."""
