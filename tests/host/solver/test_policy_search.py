@@ -104,7 +104,7 @@ def test_the_local_search_never_takes_the_plan_over_the_runtime_budget():
 
 
 @pytest.mark.parametrize("size", [14, 20])
-@pytest.mark.parametrize("seed", range(0, 60, 3))
+@pytest.mark.parametrize("seed", range(0, 60, 5))
 def test_ejection_moves_yield_cheaper_plans_that_fit_and_validate(size, seed):
     priced = price_simply(random_training_graph(seed, size))
     budget = max(minimum_ram_bytes(priced) * 1.05, 0.5 * no_remat_peak_bytes(priced))
@@ -113,7 +113,8 @@ def test_ejection_moves_yield_cheaper_plans_that_fit_and_validate(size, seed):
     if found is None:
         pytest.skip("greedy found no plan at this budget")
     energy = plan_energy_j(found[0], priced)
-    for plan in ejection_search(priced, found, budget, runtime_budget_s):
+    # every plan yielded is checked; the deadline only bounds how many (the last round takes up to 10 s on 20 nodes)
+    for plan in ejection_search(priced, found, budget, runtime_budget_s, deadline=Deadline(2.0)):
         assert plan_energy_j(plan, priced) < energy
         energy = plan_energy_j(plan, priced)
         assert model_stage_peaks(plan, priced).max() <= budget
@@ -135,6 +136,19 @@ def test_an_ejection_move_keeps_a_tensor_the_local_search_cannot_and_the_plan_co
     assert kept_now  # a tensor the greedy evicted is in RAM throughout
     assert plan_energy_j(plans[-1], priced) < plan_energy_j(found[0], priced) * (1 - 1e-4)
     assert not list(ejection_search(priced, found, budget, None, deadline=Deadline(0.0)))
+
+
+def test_ejection_moves_that_page_or_recompute_instead_find_a_cheaper_plan_than_keeping_moves_alone():
+    """Random graph 20 of 14 nodes at 40%: no tensor the greedy evicts can be kept for less (the keeping moves alone
+    return its 0.142978 J plan); switching evicted tensors to another eviction, and keeping one where the local search
+    turns a dearer repair into a cheaper plan, lowers it to 0.14137 J."""
+    priced = price_simply(random_training_graph(20, 14))
+    budget = max(minimum_ram_bytes(priced) * 1.05, 0.4 * no_remat_peak_bytes(priced))
+    found = greedy_policy_search(priced, budget, None)
+    assert plan_energy_j(found[0], priced) == pytest.approx(0.142978)
+    plans = list(ejection_search(priced, found, budget, None))
+    assert plan_energy_j(plans[-1], priced) == pytest.approx(0.14137)
+    assert model_stage_peaks(plans[-1], priced).max() <= budget
 
 
 def test_the_greedy_undoes_a_recomputation_whose_chain_peaks_at_the_worst_stage():
