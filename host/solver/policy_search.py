@@ -241,16 +241,18 @@ def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], r
     """Improve a greedy plan by ejection moves; yields each cheaper plan (every one fits both budgets).
 
     A move switches one evicted tensor's policy in every gap (keeps it in RAM, or pages or recomputes it
-    instead) and lets the greedy evict others until every stage fits again (a kept tensor held), then runs
-    the local search; it is taken when the plan costs less. The local search alone cannot find these: keeping
+    instead) and lets the greedy evict until every stage fits again (a kept tensor is held; a switched one may
+    be switched again by the greedy), then runs the local search; it is taken when the plan costs less. The local search alone cannot find these: keeping
     one tensor overflows several stages at once, which no single or paired change repairs, and recomputing a
     paged tensor moves the RAM its recomputation needs to other stages. Tensors are tried from the costliest
     restoration down, in passes, in three rounds, each until a pass takes no move: keeping a tensor, then
     switching it to another eviction, each skipped where the greedy's repair alone saves nothing (fast), then
     every move with the local search run after every repair (it can turn a dearer repair into a cheaper plan).
     ``deadline`` stops it with the plans yielded so far. Traced MobileNetV2 at 30% on m4: the greedy's 0.48194 J
-    to 0.47775 J in three keeping moves and 30 s; traced hf_bert at 30% on jetsontx2: 0.0229046 J to 0.0224250 J
-    in 0.2 s by recomputing the first layer's attention product where the greedy paged it (0.0222117 J after 31 s).
+    to 0.47775 J in three keeping moves and 30 s; traced hf_bert at 30% on jetsontx2, from a 120 s solve's cheapest
+    greedy: 0.0229130 J to 0.0225106 J in 4.6 s, where keeping moves alone left it (from the greedy of a covering
+    problem given 200 s, 0.0229046 J to 0.0224250 J in 0.9 s by recomputing the first layer's attention product
+    where the greedy paged it, and 0.0222054 J after 15 s).
     """
     deadline = deadline or Deadline.none()
     moves = _moves(paging, remat)

@@ -335,8 +335,11 @@ def _search_ejections(priced: PricedGraph, options: SolveOptions, runtime_budget
     if searched is None:
         return baselines, offers
     _report_phase(progress, started, "ejection search")
-    limit_s = None
-    if options.time_limit_s is not None:  # its share, and never into the time kept for the answer
+    # Its share of the limit, and never into the time kept for the answer. Without a limit, its share of the default
+    # one: its last round tries every move with the local search after each, passes until none is taken, which on
+    # resnet50 (351 nodes) takes minutes a pass.
+    limit_s = _EJECTION_SHARE * DEFAULT_TIME_LIMIT_S
+    if options.time_limit_s is not None:
         left_s = options.time_limit_s - reserve_s - (time.perf_counter() - started)
         limit_s = max(0.0, min(_EJECTION_SHARE * options.time_limit_s, left_s))
     found = None
