@@ -171,6 +171,11 @@ def greedy_policy_search(
     return plan, GreedyStart(policy, kept)
 
 
+def _allowed(priced: PricedGraph, i: int, move: str) -> bool:
+    """Whether tensor ``i`` may take policy ``move``: the policies never recompute a backward node."""
+    return not (move in (RECOMPUTE, RECOMPUTE_ONCE) and priced.graph.nodes[i].kind == "bwd")
+
+
 def _within_runtime(plan: StagePlan, priced: PricedGraph, runtime_budget_s: float | None,
                     paging_in_runtime: bool) -> bool:
     return runtime_budget_s is None or plan_runtime_s(plan, priced, paging_in_runtime) <= runtime_budget_s
@@ -212,7 +217,7 @@ def _evict_until_fit(priced: PricedGraph, policy: list[str], kept: KeptGaps, ram
             for move in [KEEP, *moves] if plan.recompute[worst, i] else moves:
                 if (move == policy[i] and not _kept_anywhere(kept, i)) or (i, move) in tabu:
                     continue
-                if move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd":
+                if not _allowed(priced, i, move):
                     continue
                 trial_policy = list(policy)
                 trial_policy[i] = move
@@ -242,12 +247,13 @@ def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], r
 
     A move switches one evicted tensor's policy in every gap (keeps it in RAM, or pages or recomputes it
     instead) and lets the greedy evict until every stage fits again (a kept tensor is held; a switched one may
-    be switched again by the greedy), then runs the local search; it is taken when the plan costs less. The local search alone cannot find these: keeping
-    one tensor overflows several stages at once, which no single or paired change repairs, and recomputing a
-    paged tensor moves the RAM its recomputation needs to other stages. Tensors are tried from the costliest
-    restoration down, in passes, in three rounds, each until a pass takes no move: keeping a tensor, then
-    switching it to another eviction, each skipped where the greedy's repair alone saves nothing (fast), then
-    every move with the local search run after every repair (it can turn a dearer repair into a cheaper plan).
+    be switched again by the greedy), then runs the local search; it is taken when the plan costs less. The
+    local search alone cannot find these: keeping one tensor overflows several stages at once, which no single
+    or paired change repairs, and recomputing a paged tensor moves the RAM its recomputation needs to other
+    stages. Tensors are tried from the costliest restoration down, in passes, in three rounds, each until a pass
+    takes no move: keeping a tensor, then switching it to another eviction, each skipped where the greedy's repair
+    alone saves nothing (fast), then every move with the local search run after every repair (it can turn a
+    dearer repair into a cheaper plan).
     ``deadline`` stops it with the plans yielded so far. Traced MobileNetV2 at 30% on m4: the greedy's 0.48194 J
     to 0.47775 J in three keeping moves and 30 s; traced hf_bert at 30% on jetsontx2, from a 120 s solve's cheapest
     greedy: 0.0229130 J to 0.0225106 J in 4.6 s, where keeping moves alone left it (from the greedy of a covering
@@ -259,7 +265,6 @@ def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], r
     plan, start = found
     policy, kept = list(start.policy), start.kept_gaps
     energy = plan_energy_j(plan, priced)
-    graph = priced.graph
     rounds = [([KEEP], True), (moves, True), ([KEEP, *moves], False)]
     for tried, repair_must_save in rounds:
         improved = True
@@ -272,7 +277,7 @@ def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], r
                 for move in tried:
                     if deadline.expired():
                         return
-                    if move == policy[i] or (move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd"):
+                    if move == policy[i] or not _allowed(priced, i, move):
                         continue
                     trial_policy = list(policy)
                     trial_policy[i] = move
@@ -331,9 +336,6 @@ def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: Stage
     graph = priced.graph
     energy = plan_energy_j(plan, priced)
 
-    def allowed(i: int, move: str) -> bool:
-        return not (move in (RECOMPUTE, RECOMPUTE_ONCE) and graph.nodes[i].kind == "bwd")
-
     def attempt(trial_policy: list[str], trial_kept: KeptGaps):
         trial = plan_from_policies(priced, trial_policy, trial_kept)
         trial_energy = plan_energy_j(trial, priced)
@@ -355,7 +357,7 @@ def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: Stage
             if deadline.expired():
                 return plan, kept
             for move in options:
-                if move == policy[i] or not allowed(i, move):
+                if move == policy[i] or not _allowed(priced, i, move):
                     continue
                 trial_policy = list(policy)
                 trial_policy[i] = move
@@ -382,7 +384,7 @@ def _improve(priced: PricedGraph, policy: list[str], kept: KeptGaps, plan: Stage
             done = False
             for j in held[:8]:
                 for move in options[1:]:
-                    if not allowed(j, move):
+                    if not _allowed(priced, j, move):
                         continue
                     trial_policy = list(kept_policy)
                     trial_policy[j] = move

@@ -6,6 +6,7 @@ from host.solver import backends
 from host.solver.backends import highs as highs_backend
 from host.solver.baseline_pricing import EJECTION_SEARCH, KEEP_ALL, cheapest_feasible, price_baselines, replay_plan
 from host.solver.baselines import block_boundaries, checkpoint_sequential_plan, keep_all_plan
+from host.solver.deadline import DEFAULT_TIME_LIMIT_S
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 from host.solver.validator import validate_schedule
 
@@ -102,6 +103,28 @@ def test_the_paper_formulation_runs_without_baselines():
 
 
 @pytest.mark.slow  # ~19 s
+def test_without_a_time_limit_the_ejection_moves_get_a_quarter_of_the_default_one(monkeypatch):
+    """Random graph 5 of 16 nodes at 40% with no time limit, where no greedy is proven: the ejection search is still
+    bounded (its last round runs the local search after every move, minutes a pass on large graphs), by a quarter of
+    the default 300 s. Stopped there (Ctrl-C), the solve answers with the best baseline, marked interrupted."""
+    from host.solver import solve
+
+    limits_s: list[float | None] = []
+
+    def stopped_at_once(*args, deadline, **kwargs):
+        limits_s.append(deadline.limit_s)
+        raise KeyboardInterrupt
+        yield  # a generator, as ejection_search is
+
+    monkeypatch.setattr(solve, "ejection_search", stopped_at_once)
+    priced = price_simply(random_training_graph(5, 16))
+    budget = max(minimum_ram_bytes(priced) * 1.05, 0.4 * no_remat_peak_bytes(priced))
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=10, mip_gap=1e-6,
+                                                 time_limit_s=None))
+    assert limits_s == [pytest.approx(0.25 * DEFAULT_TIME_LIMIT_S)]
+    assert result.interrupted and result.schedule is not None
+
+
 def test_a_greedy_not_proven_optimal_is_improved_by_ejection_moves_and_offered():
     """Random graph 25 of 40 nodes at 40%, at a gap no greedy meets: the solve runs ejection moves from the cheapest
     greedy, lists the cheaper plan as a baseline of its own, and answers with no more than it. The second covering
