@@ -165,14 +165,22 @@ class AllocationTimeline:
 
         A free of memory allocated before the region counts against it: regions that free what they did not
         allocate (autograd releasing saved tensors) must keep it (``retain_graph=True``)."""
+        peak, held = self._peak_and_end_bytes(name)
+        return max(0, peak - held)
+
+    def peak_bytes(self, name: str) -> int:
+        """Bytes ``name`` held at its peak beyond what was allocated when it began (0 for an unknown region)."""
+        return self._peak_and_end_bytes(name)[0]
+
+    def _peak_and_end_bytes(self, name: str) -> tuple[int, int]:
         if name not in self._ranges:
-            return 0
+            return 0, 0
         start_ns, end_ns = self._ranges[name]
         held = peak = 0
         for delta in self._deltas[bisect_left(self._times_ns, start_ns):bisect_right(self._times_ns, end_ns)]:
             held += delta
             peak = max(peak, held)
-        return max(0, peak - held)
+        return peak, held
 
 
 @contextmanager
