@@ -233,7 +233,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
                     # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
                     # bound is no higher: covers of equal cost differ, and on hf_bert at 45% on m4 this one's greedy
-                    # meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. The cheapest is kept.
+                    # meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. So does the best
+                    # cover of a round cut short by its deadline (a start only). The cheapest is kept.
                     starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
                     if starts:
                         # The warm start's share may be spent by now: these greedies get the bound's share again, in

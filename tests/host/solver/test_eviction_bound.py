@@ -291,6 +291,52 @@ def test_each_round_of_chains_starts_a_greedy_and_the_solve_keeps_the_cheapest()
     assert len(rows) == 1 and rows[0].energy_j == pytest.approx(greedy_j[1], rel=1e-9)
 
 
+def test_a_round_cut_short_by_its_deadline_starts_a_greedy_but_proves_nothing(monkeypatch):
+    """The case above with its second round stopped before it closes (its result replaced by one whose bound is far
+    below its cover, as HiGHS returns at a deadline): that round's cover is a start of its own, after the closed
+    round's, and the bound stays the closed round's. The solve runs a greedy from each, and keeps the cheaper (the
+    first round's, 0.16533 J; the cut round's lands at 1.17753 J)."""
+    import dataclasses
+
+    import host.solver.backends.highs as highs
+    from host.solver import solve
+
+    solved: list[MilpResult] = []
+    cut_call = 2  # alone, the second round is the covering problem's second solve
+    solve_highs = highs.solve_highs
+
+    def second_round_cut_short(problem, **options):
+        result = solve_highs(problem, **options)
+        if problem.name != "eviction bound":
+            return result
+        solved.append(result)
+        if len(solved) == cut_call:
+            return dataclasses.replace(result, status="feasible", bound=0.5 * result.objective)
+        return result
+
+    priced, budget, runtime_factor = _chain_case(580)
+    runtime = runtime_factor * priced.base_runtime_s
+    closed = eviction_cover(priced, budget, runtime, second_restorations=True)
+    monkeypatch.setattr(highs, "solve_highs", second_round_cut_short)
+    cut = eviction_cover(priced, budget, runtime, second_restorations=True)
+    assert len(solved) == 2 and not cut.unclosed_round.closed
+    # the first round's cover and bound, then the cut round's cover as the last start
+    first_round = closed.earlier_rounds[0]
+    assert cut.start(priced.graph.size) == first_round.start(priced.graph.size)
+    assert cut.bound_j == pytest.approx(first_round.bound_j, rel=1e-9)
+    assert cut.starts(priced.graph.size) == [first_round.start(priced.graph.size), closed.start(priced.graph.size)]
+    solved.clear()
+    cut_call = 3  # in a solve, the first covering problem is solved first
+    greedy_starts = []
+    price_greedy = solve.price_greedy
+    monkeypatch.setattr(solve, "price_greedy", lambda *args: greedy_starts.append(args[-2]) or price_greedy(*args))
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=runtime_factor,
+                                                 time_limit_s=60, mip_gap=1e-9))
+    assert len(solved) == 3 and greedy_starts == cut.starts(priced.graph.size)
+    rows = [row for row in result.baselines if row.name == GREEDY_FROM_STRONGER_COVER]
+    assert len(rows) == 1 and rows[0].energy_j == pytest.approx(0.16533, rel=1e-4)
+
+
 def test_ctrl_c_during_a_later_rounds_greedy_keeps_the_schedule_of_the_one_before(monkeypatch):
     """The case above, stopped (KeyboardInterrupt) while the greedy from the first round's cover runs: the answer is
     marked interrupted and keeps the greedy from the second round's cover (1.17753 J) among its baselines."""
