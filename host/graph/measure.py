@@ -169,7 +169,8 @@ class AllocationTimeline:
         return max(0, peak - held)
 
     def peak_bytes(self, name: str) -> int:
-        """Bytes ``name`` held at its peak beyond what was allocated when it began (0 for an unknown region)."""
+        """Bytes ``name`` held at its peak beyond what was allocated when it began (0 for an unknown region). As for
+        :meth:`workspace_bytes`, a free of memory allocated before the region lowers what it holds."""
         return self._peak_and_end_bytes(name)[0]
 
     def _peak_and_end_bytes(self, name: str) -> tuple[int, int]:

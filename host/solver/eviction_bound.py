@@ -49,7 +49,8 @@ needs none or its time runs out (each round gets all the time left). On hf_bert 
 bound rises from 0.0594725 J to 0.0610590 J (the MILP finds 0.0611650 J and proves 0.0610885 J in 120 s), and the
 greedy from its cover finds a schedule within 0.2% of it. On the two-layer hf_bert at 30% the second round closes, alone,
 in 84 s on jetsontx2 (0.0207913 -> 0.0213892 J) and in 235 s on m4 (0.0915204 -> 0.0940426 J). Each closed round's
-evictions start a greedy (:meth:`EvictionCover.starts`).
+evictions start a greedy (:meth:`EvictionCover.starts`), and so does the best cover of a round cut short by the
+deadline.
 
 Choosing the cheapest evictions that cover every stage's excess (binaries per tensor and gap, the
 recomputation time within the runtime budget) is a small covering problem whose every schedule's
@@ -124,8 +125,8 @@ class EvictionCover:
     kept_gaps: KeptGaps = frozenset()
     # The covers of the earlier closed rounds (chains of recomputations added between them), latest first
     earlier_rounds: tuple[EvictionCover, ...] = ()
-    # The best cover of a later round that did not close by the deadline: a start for the greedy only (its bound is
-    # not proven, so ``bound_j`` takes only what that round proved). hf_bert at 30% on jetsontx2, its second round cut
+    # The best cover of a later round that did not close by the deadline: a start for the greedy only (its cost is no
+    # bound; ``bound_j`` takes only the bound that round proved by then). hf_bert at 30% on jetsontx2, its second round cut
     # at 75 s: the greedy from it 0.0229046 J, the ejection search 0.0222054 J, where the closed round's led to
     # 0.0225106 J.
     unclosed_round: EvictionCover | None = None
@@ -581,9 +582,11 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
             cover.kept_gaps = frozenset((i, use) for i in cover.recomputed | cover.paged
                                         for gap, use in enumerate(uses[i]) if (i, gap) not in restored)
         # The evictions of the last problem solved (an unsolved one's best cover may be far from its bound; ``closed``
-        # stays true), with the highest bound proven; an unsolved round's best cover is kept as a start of its own.
+        # stays true), with the highest bound proven; an unsolved round's best cover is kept as a start of its own
+        # (its cost is no bound).
         if best is None or cover.closed:
-            earlier_rounds = () if best is None else (dataclasses.replace(best, earlier_rounds=()), *best.earlier_rounds)
+            earlier_rounds = () if best is None else (dataclasses.replace(best, earlier_rounds=(), unclosed_round=None),
+                                                          *best.earlier_rounds)
             best = dataclasses.replace(cover, bound_j=max(cover.bound_j, best.bound_j if best else 0.0),
                                        earlier_rounds=earlier_rounds)
         else:

@@ -291,7 +291,7 @@ def test_each_round_of_chains_starts_a_greedy_and_the_solve_keeps_the_cheapest()
     assert len(rows) == 1 and rows[0].energy_j == pytest.approx(greedy_j[1], rel=1e-9)
 
 
-def test_a_round_cut_short_by_its_deadline_starts_a_greedy_but_proves_nothing(monkeypatch):
+def test_a_round_cut_short_by_its_deadline_starts_a_greedy_and_its_cover_is_no_bound(monkeypatch):
     """The case above with its second round stopped before it closes (its result replaced by one whose bound is far
     below its cover, as HiGHS returns at a deadline): that round's cover is a start of its own, after the closed
     round's, and the bound stays the closed round's. The solve runs a greedy from each, and keeps the cheaper (the
