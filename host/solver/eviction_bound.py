@@ -126,9 +126,9 @@ class EvictionCover:
     # The covers of the earlier closed rounds (chains of recomputations added between them), latest first
     earlier_rounds: tuple[EvictionCover, ...] = ()
     # The best cover of a later round that did not close by the deadline: a start for the greedy only (its cost is no
-    # bound; ``bound_j`` takes only the bound that round proved by then). hf_bert at 30% on jetsontx2, its second round cut
-    # at 75 s: the greedy from it 0.0229046 J, the ejection search 0.0222054 J, where the closed round's led to
-    # 0.0225106 J.
+    # bound; ``bound_j`` takes only the bound that round proved by then). hf_bert at 30% on jetsontx2, its second
+    # round cut at 75 s: the greedy from it 0.0229046 J, the ejection search 0.0222054 J, where the closed round's
+    # led to 0.0225106 J.
     unclosed_round: EvictionCover | None = None
 
     def start(self, size: int) -> GreedyStart:
@@ -585,8 +585,8 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         # stays true), with the highest bound proven; an unsolved round's best cover is kept as a start of its own
         # (its cost is no bound).
         if best is None or cover.closed:
-            earlier_rounds = () if best is None else (dataclasses.replace(best, earlier_rounds=(), unclosed_round=None),
-                                                          *best.earlier_rounds)
+            earlier_rounds = () if best is None else (
+                dataclasses.replace(best, earlier_rounds=(), unclosed_round=None), *best.earlier_rounds)
             best = dataclasses.replace(cover, bound_j=max(cover.bound_j, best.bound_j if best else 0.0),
                                        earlier_rounds=earlier_rounds)
         else:
