@@ -1,6 +1,7 @@
 """The HiGHS solve in a process of its own: ``python -m host.solver.backends.highs_worker``.
 
-Started by :func:`host.solver.backends.highs.solve_highs`. It reads one request frame on stdin (the
+Started by :func:`host.solver.backends.highs.solve_highs` (one spare started ahead, waiting for the next solve's
+request: see ``_SpareWorker`` there). It reads one request frame on stdin (the
 problem and options), solves, and writes frames on stdout: ``("progress", incumbent_j, bound_j, gap)``
 at most every :data:`~host.solver.backends.highs._PROGRESS_PERIOD_S`, ``("incumbent", x, objective,
 bound, gap)`` for each improving schedule, and ``("result", fields of MilpResult)`` at the end. A
@@ -11,17 +12,21 @@ which decides when to stop (the terminal sends it to the whole process group).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import select
 import signal
-import sys
-import threading
-import time
 
-import numpy as np
+if __name__ == "__main__":  # before the imports: a spare worker imports while Ctrl-C may reach its process group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-from host.solver.backends.highs import (
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import select  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from host.solver.backends.highs import (  # noqa: E402
     _PROGRESS_PERIOD_S,
     _WAIT_PERIOD_S,
     _finite,
