@@ -21,11 +21,11 @@ from .graphs import (
 RTOL = 1e-6
 
 
-def _milp_optimum(priced, budget, runtime_factor=1.2, **ablation):
+def _milp_optimum(priced, budget, runtime_factor=1.2, time_limit_s=60.0, **ablation):
     """The MILP alone (no baselines, no eviction bound), solved to a tight gap."""
     result = solve_schedule(priced, SolveOptions(
         ram_budget_bytes=budget, runtime_factor=runtime_factor, mip_gap=1e-9, warm_start=False,
-        shortcut_non_binding=False, time_limit_s=60, **ablation))
+        shortcut_non_binding=False, time_limit_s=time_limit_s, **ablation))
     return result
 
 
@@ -120,6 +120,7 @@ def test_a_live_input_read_by_a_recomputation_between_two_absences_is_restored_t
     assert twice <= optimum.objective_j * (1 + RTOL)
 
 
+@pytest.mark.slow  # the MILP proves the optimum in about 50 s (over 60 s on a loaded machine: it is given 240 s)
 def test_a_live_input_read_below_a_recomputed_tensors_dead_inputs_is_restored_twice():
     """Three residual blocks at 40% of their no-remat peak. A recomputed live tensor (a block's ReLU output) reads
     dead ones below it (the add, the BatchNorm), whose recomputations read live convolution outputs in turn: those
@@ -130,7 +131,7 @@ def test_a_live_input_read_below_a_recomputed_tensors_dead_inputs_is_restored_tw
                                              200]), page_j_per_byte=1e-3)
     budget = max(minimum_ram_bytes(priced), 0.39642 * no_remat_peak_bytes(priced))
     bound = eviction_bound_j(priced, budget, 1.5 * priced.base_runtime_s, second_restorations=True)
-    optimum = _milp_optimum(priced, budget, 1.5)
+    optimum = _milp_optimum(priced, budget, 1.5, time_limit_s=240.0)
     assert optimum.status == "optimal", optimum.message
     assert bound == pytest.approx(1.60273, rel=1e-5)
     assert bound <= optimum.objective_j * (1 + RTOL)
