@@ -89,7 +89,7 @@ def test_a_limit_too_short_for_anything_says_so():
     assert "raise --time-limit" in result.message
 
 
-@pytest.mark.slow  # ~40 s: a solve held to its limit
+@pytest.mark.slow  # ~60 s: a solve held to its limit
 def test_a_solver_that_stops_answering_is_stopped_at_the_limit_with_its_incumbent():
     """HiGHS cannot be cancelled everywhere (model loading, presolve, its root node's analytic centre: 78 s on
     MobileNetV2, over 100 s on resnet50, whatever the limit). Here its worker process is frozen (SIGSTOP) once it
@@ -102,9 +102,9 @@ def test_a_solver_that_stops_answering_is_stopped_at_the_limit_with_its_incumben
 
     priced = price_graph(ModelSource("poet2022:resnet18_cifar").resolve().graph, load_profile("m4"))
     budget = 737719
-    # The MILP starts about 9 s in and reports its first schedule about 6 s later; under a loaded machine's halved speed
-    # a 25 s limit ended first (the test failed with no schedule reported), so the limit leaves room for that.
-    limit_s = 40.0
+    # The MILP starts about 9 s in and reports its first schedule about 6 s later (alone); in loaded full runs limits of
+    # 25 s and 40 s ended first (the test failed with no schedule reported), so the limit leaves room for three times that.
+    limit_s = 60.0
     frozen = []
 
     def freeze_on_first_incumbent(report):
