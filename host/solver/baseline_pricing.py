@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from host.costs.priced_graph import PricedGraph
+from host.solver.background import Pending
 from host.solver.baselines import (
     BaselineDoesNotFitError,
     block_boundaries,
@@ -119,6 +120,7 @@ def _plans(priced: PricedGraph, ram_budget_bytes: float, remat: bool, paging: bo
 def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float, *, remat: bool = True,
                     paging: bool = True, paging_in_runtime: bool = False, greedy: bool = True,
                     cover_start: GreedyStart | None = None, enough_j: float | None = None,
+                    pending_cover: Pending[tuple[GreedyStart | None, float | None]] | None = None,
                     deadline: Deadline | None = None, until_one_fits: Deadline | None = None) -> list[BaselineResult]:
     """Every baseline, replayed, until ``deadline`` (the rest are left out of the list); while none fits, until
     ``until_one_fits`` instead when given (the solve's own deadline: a loaded machine that spends the warm start's
@@ -127,6 +129,9 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
     With ``cover_start`` (host.solver.eviction_bound: the evictions its bound chose), the greedy also
     runs from those evictions instead of keeping everything, and is priced as a baseline of its own; when
     that plan costs at most ``enough_j`` (already proven optimal within the gap), the plain greedy is skipped.
+    ``pending_cover`` gives both from a covering problem still being solved on another thread: the greedy's turn
+    waits for it, running the plain greedy meanwhile (cut short when the cover arrives, and then run again after the
+    cover's greedy, as without one).
 
     Plans identical to one already priced are skipped (checkpoint_sequential(k) for large k is plain training).
     """
@@ -143,15 +148,23 @@ def price_baselines(priced: PricedGraph, ram_budget_bytes: float, runtime_budget
             break
         if plan is _GREEDY_TURN:
             if greedy:
+                plain: list[BaselineResult] = []
+                if pending_cover is not None:
+                    if not pending_cover.done():
+                        plain = price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                             paging_in_runtime, current().until_set(pending_cover.finished))
+                    cover_start, enough_j = pending_cover.result()
                 # From the cover first: it is usually the cheaper plan, and the deadline may not leave time for both.
                 if cover_start is not None:
                     results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
                                        paging_in_runtime, current(), cover_start, GREEDY_FROM_COVER)
                     if enough_j is not None and any(r.feasible and r.energy_j <= enough_j for r in results[-1:]):
+                        results += plain
                         continue
-                if not current().expired():
-                    results += price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
-                                       paging_in_runtime, current())
+                if not plain and not current().expired():
+                    plain = price_greedy(priced, ram_budget_bytes, runtime_budget_s, remat, paging,
+                                         paging_in_runtime, current())
+                results += plain
             continue
         if isinstance(plan, BaselineDoesNotFitError):
             results.append(BaselineResult(name, "infeasible", None, None, None, str(plan)))

@@ -66,6 +66,7 @@ bound stays near the compute-once energy, and its evictions, realised gap by gap
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -252,8 +253,10 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
 def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
                    remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
                    time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S,
-                   second_restorations: bool = False) -> EvictionCover | None:
+                   second_restorations: bool = False, cancel: threading.Event | None = None) -> EvictionCover | None:
     """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`.
+
+    ``cancel`` set (the solve stopped it from another thread) stops it as Ctrl-C does: KeyboardInterrupt.
 
     With ``second_restorations``, a tensor that a recomputation reads between two stages where it is absent is
     restored twice there (see the module docstring): a higher bound from a larger problem (resnet18_cifar at 40%
@@ -567,8 +570,10 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         # in 84 s (9.3 s the first), on m4 in 235 s (4.5 s), each 2.7-2.9% above the first; where it does not close,
         # the bound it proved by the deadline is kept.
         round_s = max(0.1, deadline_at - time.perf_counter())
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt
         result = solve_highs(model.problem, time_limit_s=round_s, mip_gap=1e-9, threads=1, presolve=True,
-                             deadline_at=time.perf_counter() + round_s)
+                             deadline_at=time.perf_counter() + round_s, cancel=cancel)
         if result.interrupted:
             raise KeyboardInterrupt  # the user stopped the solve while its bound was proven: stop as in any phase
         if result.status == "infeasible" or result.bound is None:

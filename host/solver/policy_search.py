@@ -242,8 +242,10 @@ def _evict_until_fit(priced: PricedGraph, policy: list[str], kept: KeptGaps, ram
 
 def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], ram_budget_bytes: float,
                     runtime_budget_s: float | None, *, paging: bool = True, remat: bool = True,
-                    paging_in_runtime: bool = False, deadline: Deadline | None = None) -> Iterator[StagePlan]:
-    """Improve a greedy plan by ejection moves; yields each cheaper plan (every one fits both budgets).
+                    paging_in_runtime: bool = False,
+                    deadline: Deadline | None = None) -> Iterator[tuple[StagePlan, GreedyStart]]:
+    """Improve a greedy plan by ejection moves; yields each cheaper plan (every one fits both budgets) with its
+    policies and kept gaps, as ``found`` is given: a search stopped early resumes from the last one it yielded.
 
     A move switches one evicted tensor's policy in every gap (keeps it in RAM, or pages or recomputes it
     instead) and lets the greedy evict until every stage fits again (a kept tensor is held; a switched one may
@@ -294,7 +296,7 @@ def ejection_search(priced: PricedGraph, found: tuple[StagePlan, GreedyStart], r
                         continue
                     policy, kept, plan, energy = trial_policy, trial_kept, trial, trial_energy
                     improved = True
-                    yield plan
+                    yield plan, GreedyStart(list(policy), kept)
                     break
 
 

@@ -10,6 +10,7 @@ from device_agent.errors import UserError
 from device_agent.schedule import Prediction, Schedule, SolveInfo
 from host.costs.priced_graph import PricedGraph
 from host.solver.backends import solve_milp
+from host.solver.background import Background
 from host.solver.baseline_pricing import (
     EJECTION_SEARCH,
     GREEDY_FROM_STRONGER_COVER,
@@ -23,11 +24,11 @@ from host.solver.baseline_pricing import (
 )
 from host.solver.baselines import keep_all_plan
 from host.solver.deadline import DEFAULT_TIME_LIMIT_S, Deadline, DeadlineExpired
-from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S, eviction_cover
+from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S, EvictionCover, eviction_cover
 from host.solver.milp import ProgressCallback, SolverProgress
 from host.solver.poet2022_milp import Poet2022Formulation
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
-from host.solver.policy_search import ejection_search
+from host.solver.policy_search import GreedyStart, ejection_search
 from host.solver.stage_plan import StagePlan, drop_unread_pages, lower_plan, make_schedule
 from host.solver.validator import ScheduleValidationError, ValidationReport, validate_schedule
 
@@ -194,41 +195,57 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     # The paper's formulation is run as the paper ran it: no warm start, no baselines, no bound shortcut.
     use_baselines = options.warm_start and options.formulation == "poet-edge"
     outcome: SolveResult | None = None
+    background: list[Background] = []  # phases run on threads of their own: stopped if the solve ends without them
     # Proven before any search: every node computed once, and (poet-edge) the evictions the budget forces.
     floor_bound_j = float(priced.compute_j.sum())
     try:
         if use_baselines:
             _report_phase(progress, started, "lower bound")
             # The first covering problem gets EVICTION_BOUND_TIME_LIMIT_S or its share of the time limit, whichever is less.
+            # It is solved on another thread (HiGHS in its worker process, on the other core) while this one prices the
+            # baselines that do not need it; the greedy from its evictions waits for it.
             bound_time_s = min(EVICTION_BOUND_TIME_LIMIT_S, _BOUND_SHARE * (options.time_limit_s or math.inf))
             cover_options = dict(remat=options.remat, paging=options.paging,
                                  paging_in_runtime=options.paging_in_runtime)
-            cover = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s,
-                                   **cover_options)
-            floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
-            evicts = cover is not None and bool(cover.recomputed or cover.paged)
-            cover_start = cover.start(priced.graph.size) if evicts else None
-            # A baseline at or below this energy is within the gap of the bound: optimal, nothing more to search.
-            proven_optimal_below_j = (floor_bound_j / (1 - options.mip_gap)
-                                      if options.shortcut_non_binding and options.mip_gap < 1 else None)
+            cover_task = Background(lambda cancel: eviction_cover(
+                priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=bound_time_s, cancel=cancel,
+                **cover_options), "poet-eviction-bound")
+            background.append(cover_task)
+
+            def greedy_start(cover: EvictionCover | None) -> tuple[GreedyStart | None, float | None]:
+                """The cover's evictions as the greedy's start, and the energy at or below which a baseline is within the
+                gap of the bound it proves (optimal: nothing more to search)."""
+                bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
+                evicts = cover is not None and bool(cover.recomputed or cover.paged)
+                return (cover.start(priced.graph.size) if evicts else None,
+                        bound_j / (1 - options.mip_gap) if options.shortcut_non_binding and options.mip_gap < 1 else None)
+
             _report_phase(progress, started, "warm start")
             warm_deadline = Deadline(None if options.time_limit_s is None else
                                      (_BOUND_SHARE + _WARM_START_SHARE) * options.time_limit_s, started)
             baselines = price_baselines(priced, options.ram_budget_bytes, runtime_budget_s, remat=options.remat,
                                         paging=options.paging, paging_in_runtime=options.paging_in_runtime,
-                                        cover_start=cover_start, enough_j=proven_optimal_below_j,
-                                        deadline=warm_deadline,
+                                        pending_cover=cover_task.map(greedy_start), deadline=warm_deadline,
                                         until_one_fits=Deadline(None if options.time_limit_s is None else
                                                                 options.time_limit_s - reserve_s, started))
             offers = cheapest_feasible(baselines)
-            # Not proven yet, and the first covering problem closed: the one with second restorations.
+            cover = cover_task.result()
+            floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
+            cover_start = greedy_start(cover)[0]
+            searched: list[BaselineResult] = []  # starts the ejection search has ended its passes from, and its plans
+            # Not proven yet, and the first covering problem closed: the one with second restorations, on another
+            # thread, while this one runs ejection moves from the cheapest greedy until it answers.
             if (offers and cover is not None and cover.closed and options.remat
                     and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
                 _report_phase(progress, started, "stronger lower bound")
-                stronger = eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s,
-                                          time_limit_s=_stronger_bound_time_s(options, bound_time_s, started, reserve_s),
-                                          second_restorations=True,
-                                          **cover_options)
+                stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s)
+                stronger_task = Background(lambda cancel: eviction_cover(
+                    priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=stronger_time_s,
+                    second_restorations=True, cancel=cancel, **cover_options), "poet-stronger-bound")
+                background.append(stronger_task)
+                offers = _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s,
+                                           progress, Deadline(stronger_time_s, until=stronger_task.finished))
+                stronger = stronger_task.result()
                 if stronger is not None:
                     floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
                     # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
@@ -236,27 +253,11 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     # meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. So does the best
                     # cover of a round cut short by its deadline (a start only). The cheapest is kept.
                     starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
-                    if starts:
-                        # The warm start's share may be spent by now: these greedies get the bound's share again, in
-                        # equal parts, so that the first does not leave the others no time.
-                        # The cheapest so far is offered after each, so that Ctrl-C keeps it.
-                        greedies_started = time.perf_counter()
-                        found: list[BaselineResult] = []
-                        kept: list[BaselineResult] = []
-                        for number, start in enumerate(starts, 1):
-                            greedy_deadline = Deadline(None if options.time_limit_s is None else
-                                                       _BOUND_SHARE * options.time_limit_s * number / len(starts),
-                                                       greedies_started)
-                            found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat,
-                                                  options.paging, options.paging_in_runtime, greedy_deadline, start,
-                                                  GREEDY_FROM_STRONGER_COVER)
-                            baselines = [row for row in baselines if not any(row is old for old in kept)]
-                            kept = (cheapest_feasible(found) or found)[:1]
-                            baselines += kept
-                            offers = cheapest_feasible(baselines)
+                    if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
+                        offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts)
             if offers and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
-                baselines, offers = _search_ejections(priced, options, runtime_budget_s, baselines, offers, started,
-                                                      reserve_s, progress)
+                offers = _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s,
+                                           progress)
             # A baseline within the gap of the bound proven so far is optimal without the MILP.
             if offers and options.shortcut_non_binding:
                 best = offers[0]
@@ -292,6 +293,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     except KeyboardInterrupt:
         # Ctrl-C between the warm start and the MILP (the stronger bound, its greedies, building the model): the
         # baselines priced so far are schedules; the best is returned, marked interrupted, as the MILP's would be.
+        offers = cheapest_feasible(baselines)  # with the plans a search interrupted had found
         if not offers:
             raise
         answer = _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
@@ -299,6 +301,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                                          f"found so far, is returned")
         answer.interrupted = True
         return answer
+    finally:
+        _stop(background)
     if offers and (outcome.schedule is None or offers[0].energy_j < outcome.objective_j):
         # Never worse than the best baseline: a MILP stopped early, or whose model does not admit the baseline.
         best = offers[0]
@@ -316,6 +320,12 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     return outcome
 
 
+def _stop(background: list[Background]) -> None:
+    """Stop the phases still running on threads of their own, and wait for them (and their HiGHS workers) to end."""
+    for task in background:
+        task.stop()
+
+
 def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: float, reserve_s: float) -> float:
     """The second covering problem's time: at least _STRONGER_BOUND_TIMES the first's, and with a time limit all
     the time left but what its greedies, the ejection moves and the answer need."""
@@ -326,35 +336,69 @@ def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: 
     return max(least_s, ends_at_s - (time.perf_counter() - started))
 
 
+def _greedies_from(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float,
+                   baselines: list[BaselineResult], starts: list[GreedyStart]) -> list[BaselineResult]:
+    """The greedy from each start (the second covering problem's rounds), the cheapest kept in ``baselines`` (changed
+    in place, so that Ctrl-C keeps it): the offers. The warm start's share may be spent by now: these greedies get the
+    bound's share again, in equal parts, so that the first does not leave the others no time."""
+    greedies_started = time.perf_counter()
+    found: list[BaselineResult] = []
+    kept: list[BaselineResult] = []
+    for number, start in enumerate(starts, 1):
+        greedy_deadline = Deadline(None if options.time_limit_s is None else
+                                   _BOUND_SHARE * options.time_limit_s * number / len(starts), greedies_started)
+        found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat, options.paging,
+                              options.paging_in_runtime, greedy_deadline, start, GREEDY_FROM_STRONGER_COVER)
+        baselines[:] = [row for row in baselines if not any(row is old for old in kept)]
+        kept = (cheapest_feasible(found) or found)[:1]
+        baselines += kept
+    return cheapest_feasible(baselines)
+
+
 def _search_ejections(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float,
-                      baselines: list[BaselineResult], offers: list[BaselineResult], started: float, reserve_s: float,
-                      progress: ProgressCallback | None) -> tuple[list[BaselineResult], list[BaselineResult]]:
-    """The cheapest greedy's plan improved by ejection moves (host.solver.policy_search.ejection_search), priced
-    as a baseline of its own: (baselines, offers) with it. Each cheaper plan is offered as soon as it is found, so
-    a deadline or Ctrl-C keeps it."""
-    searched = next((offer for offer in offers if offer.policies is not None), None)
-    if searched is None:
-        return baselines, offers
+                      baselines: list[BaselineResult], searched: list[BaselineResult], started: float,
+                      reserve_s: float, progress: ProgressCallback | None,
+                      beside: Deadline | None = None) -> list[BaselineResult]:
+    """Ejection moves (host.solver.policy_search.ejection_search) from the cheapest plan with policies whose passes
+    have not ended (``searched``: the starts and plans of searches that ended on their own; one cut short resumes
+    from its last plan), priced as a baseline of its own and kept in ``baselines`` (changed in place, so that a
+    deadline or Ctrl-C keeps each cheaper plan as soon as it is found): the offers.
+
+    ``beside``: the search runs beside the second covering problem, until it answers; otherwise it gets its share of
+    the time limit, never into the time kept for the answer."""
+    offers = cheapest_feasible(baselines)
+    start = next((offer for offer in offers if offer.policies is not None
+                  and not any(offer is done for done in searched)), None)
+    if start is None:
+        return offers
     _report_phase(progress, started, "ejection search")
-    # Its share of the limit, and never into the time kept for the answer. Without a limit, its share of the default
-    # one: its last round tries every move with the local search after each, passes until none is taken, which on
-    # resnet50 (351 nodes) takes minutes a pass.
-    limit_s = _EJECTION_SHARE * DEFAULT_TIME_LIMIT_S
+    # Without a limit, its share of the default one: its last round tries every move with the local search after
+    # each, passes until none is taken, which on resnet50 (351 nodes) takes minutes a pass.
+    if beside is not None:
+        limit_s = beside.remaining_s()
+    else:
+        limit_s = _EJECTION_SHARE * (options.time_limit_s or DEFAULT_TIME_LIMIT_S)
     if options.time_limit_s is not None:
-        left_s = options.time_limit_s - reserve_s - (time.perf_counter() - started)
-        limit_s = max(0.0, min(_EJECTION_SHARE * options.time_limit_s, left_s))
-    found = None
-    for plan in ejection_search(priced, (searched.plan, searched.policies), options.ram_budget_bytes,
-                                runtime_budget_s, paging=options.paging, remat=options.remat,
-                                paging_in_runtime=options.paging_in_runtime, deadline=Deadline(limit_s)):
+        limit_s = min(limit_s, options.time_limit_s - reserve_s - (time.perf_counter() - started))
+    deadline = Deadline(max(0.0, limit_s), until=None if beside is None else beside.until)
+    found = [row for row in baselines if row.name == EJECTION_SEARCH]  # an earlier search's row, replaced if beaten
+    best = min((row.energy_j for row in found if row.feasible), default=float("inf"))
+    plans: list[BaselineResult] = []
+    for plan, policies in ejection_search(priced, (start.plan, start.policies), options.ram_budget_bytes,
+                                          runtime_budget_s, paging=options.paging, remat=options.remat,
+                                          paging_in_runtime=options.paging_in_runtime, deadline=deadline):
         result = price_plan(EJECTION_SEARCH, plan, priced, options.ram_budget_bytes, runtime_budget_s,
                             options.paging_in_runtime)
-        baselines = [b for b in baselines if b is not found] + [result]
-        offers = cheapest_feasible(baselines)
         if not result.feasible:  # the search's memory model and the validator's replay disagree: never expected
             break
-        found = result
-    return baselines, offers
+        result.policies = policies
+        plans.append(result)
+        if result.energy_j < best:
+            baselines[:] = [row for row in baselines if row.name != EJECTION_SEARCH] + [result]
+            best = result.energy_j
+    if not deadline.expired():  # its passes ended: from these, there is nothing more to find
+        searched += [start, *plans]
+    return cheapest_feasible(baselines)
 
 
 # The warm start (baselines and the greedy) gets at most this share of the time limit after the first covering

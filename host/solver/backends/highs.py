@@ -60,12 +60,14 @@ def solve_highs(
     progress: ProgressCallback | None = None,
     presolve: bool = True,
     deadline_at: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> MilpResult:
     """Solve with HiGHS in a worker process; ``deadline_at`` (time.perf_counter()) bounds the whole call.
 
     At the deadline the worker is asked to stop, and killed :data:`_KILL_GRACE_S` later if HiGHS has not
-    answered; a Ctrl-C (or SIGTERM turned into one) does the same and marks the result interrupted. Either way
-    the best schedule HiGHS had found is returned.
+    answered; a Ctrl-C (or SIGTERM turned into one) does the same and marks the result interrupted, and so does
+    ``cancel`` being set (a solve waited for on a thread other than the main one, which Ctrl-C does not reach).
+    Either way the best schedule HiGHS had found is returned.
     """
     started = time.perf_counter()
     if deadline_at is not None:
@@ -77,11 +79,13 @@ def solve_highs(
                "start": None if start is None else np.asarray(start, dtype=np.float64), "time_limit_s": time_limit_s,
                "extra_options": dict(_EXTRA_OPTIONS)}
     try:
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt
         worker = _Worker(request)
     except KeyboardInterrupt:  # before the solver started: no incumbent of its own (the caller has the start)
         return MilpResult("timeout", None, None, None, None, time.perf_counter() - started,
                           "interrupted before the solver started", interrupted=True)
-    return worker.wait(started, deadline_at, progress)
+    return worker.wait(started, deadline_at, progress, cancel)
 
 
 def configure_time_limit(highs: highspy.Highs, problem: MilpProblem, time_limit_s: float | None) -> None:
@@ -115,7 +119,8 @@ class _Worker:
             self._kill()
             raise
 
-    def wait(self, started: float, deadline_at: float | None, progress: ProgressCallback | None) -> MilpResult:
+    def wait(self, started: float, deadline_at: float | None, progress: ProgressCallback | None,
+             cancel: threading.Event | None = None) -> MilpResult:
         # The reader says when it is done through an event, not through the thread: a Ctrl-C that lands in
         # Thread.join() marks a live thread as stopped (Python 3.11, bpo-45274's handling), and the kill below
         # was then never reached (a SIGINT during a large model's presolve took 2.7 s to land instead of 1 s).
@@ -129,6 +134,9 @@ class _Worker:
             try:
                 done.wait(_WAIT_PERIOD_S)
                 now = time.perf_counter()
+                if cancelled_at is None and cancel is not None and cancel.is_set():
+                    user = True
+                    cancelled_at = self._cancel(user=True)
                 if cancelled_at is None and deadline_at is not None and now >= deadline_at:
                     cancelled_at = self._cancel(user=False)
                 if cancelled_at is not None and now >= cancelled_at + _KILL_GRACE_S and not done.is_set():

@@ -114,7 +114,7 @@ def test_ejection_moves_yield_cheaper_plans_that_fit_and_validate(size, seed):
         pytest.skip("greedy found no plan at this budget")
     energy = plan_energy_j(found[0], priced)
     # every plan yielded is checked; the deadline only bounds how many (the last round takes up to 10 s on 20 nodes)
-    for plan in ejection_search(priced, found, budget, runtime_budget_s, deadline=Deadline(2.0)):
+    for plan, _ in ejection_search(priced, found, budget, runtime_budget_s, deadline=Deadline(2.0)):
         assert plan_energy_j(plan, priced) < energy
         energy = plan_energy_j(plan, priced)
         assert model_stage_peaks(plan, priced).max() <= budget
@@ -129,7 +129,7 @@ def test_an_ejection_move_keeps_a_tensor_the_local_search_cannot_and_the_plan_co
     priced = price_simply(random_training_graph(41, 14))
     budget = max(minimum_ram_bytes(priced) * 1.05, 0.7 * no_remat_peak_bytes(priced))
     found = greedy_policy_search(priced, budget, None)
-    plans = list(ejection_search(priced, found, budget, None))
+    plans = [plan for plan, _ in ejection_search(priced, found, budget, None)]
     assert plans
     kept_now = [i for i, policy in enumerate(found[1].policy) if policy != KEEP and not plans[-1].recompute[i + 1:, i].any()
                 and not plans[-1].page_out[:, i].any()]
@@ -146,7 +146,7 @@ def test_ejection_moves_that_page_or_recompute_instead_find_a_cheaper_plan_than_
     budget = max(minimum_ram_bytes(priced) * 1.05, 0.4 * no_remat_peak_bytes(priced))
     found = greedy_policy_search(priced, budget, None)
     assert plan_energy_j(found[0], priced) == pytest.approx(0.142978, abs=1e-9)
-    plans = list(ejection_search(priced, found, budget, None))
+    plans = [plan for plan, _ in ejection_search(priced, found, budget, None)]
     assert plans
     assert plan_energy_j(plans[-1], priced) == pytest.approx(0.14137, abs=1e-9)
     assert model_stage_peaks(plans[-1], priced).max() <= budget
@@ -165,7 +165,7 @@ def test_ejection_moves_respect_the_ablations_and_never_recompute_a_backward_nod
     assert backward
     for paging, remat in [(False, True), (True, False), (True, True)]:
         found = greedy_policy_search(priced, budget, None, paging=paging, remat=remat)
-        plans = list(ejection_search(priced, found, budget, None, paging=paging, remat=remat))
+        plans = [plan for plan, _ in ejection_search(priced, found, budget, None, paging=paging, remat=remat)]
         assert plans or (paging and remat)  # each ablation's moves found a cheaper plan
         for plan in plans:
             assert paging or not (plan.page_out.any() or plan.page_in.any())
@@ -191,3 +191,20 @@ def test_the_greedy_undoes_a_recomputation_whose_chain_peaks_at_the_worst_stage(
     report = evaluate_plan(plan, priced, ram_budget_bytes=budget, runtime_budget_s=runtime)
     assert report.energy_j == pytest.approx(0.60283, rel=1e-5)
     assert report.energy_j <= cover.bound_j * 1.002
+
+
+def test_each_plan_the_ejection_search_yields_comes_with_the_policies_that_make_it_and_resumes_from_them():
+    """Random graph 41 of 14 nodes at 70%: every plan yielded is the one its policies and kept gaps realise, so a
+    search stopped after its first plan resumes from it and ends no dearer than the search that was not stopped."""
+    priced = price_simply(random_training_graph(41, 14))
+    budget = max(minimum_ram_bytes(priced) * 1.05, 0.7 * no_remat_peak_bytes(priced))
+    found = greedy_policy_search(priced, budget, None)
+    whole = list(ejection_search(priced, found, budget, None))
+    assert whole
+    for plan, start in whole:
+        again = plan_from_policies(priced, start.policy, start.kept_gaps)
+        assert (again.recompute == plan.recompute).all() and (again.keep_ram == plan.keep_ram).all()
+        assert (again.page_out == plan.page_out).all()
+    resumed = list(ejection_search(priced, whole[0], budget, None))
+    last = resumed[-1][0] if resumed else whole[0][0]
+    assert plan_energy_j(last, priced) <= plan_energy_j(whole[-1][0], priced) + 1e-12
