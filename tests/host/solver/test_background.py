@@ -179,3 +179,29 @@ def test_a_ctrl_c_while_the_second_covering_problem_is_solved_beside_stops_it_an
     assert result.interrupted and result.status == "feasible" and result.schedule is not None
     assert result.report.peak_ram_bytes <= budget
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
+
+
+def test_a_schedule_proven_by_the_first_bound_while_the_second_problem_runs_stops_that_problem(monkeypatch):
+    """Where the ejection moves beside the second covering problem reach a plan within the gap of the bound proven
+    so far (here every plan is, by the threshold given), the second problem is stopped rather than waited for; the
+    solve goes on without its bound and still proves the optimum with the MILP."""
+    import math
+
+    stopped = []
+    real_cover = solve.eviction_cover
+
+    def second_cover_runs_until_stopped(*args, second_restorations=False, cancel=None, **kwargs):
+        if not second_restorations:
+            return real_cover(*args, cancel=cancel, **kwargs)
+        stopped.append(cancel.wait(WAIT_S))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
+    monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
+    priced, budget = _block_at_its_floor()
+    started = time.perf_counter()
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
+                                                 time_limit_s=120))
+    assert stopped == [True] and time.perf_counter() - started < WAIT_S
+    assert not result.interrupted
+    assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)

@@ -1,5 +1,7 @@
 """The baselines a user would pick instead of POET: priced by the validator's replay, and never beaten by the answer."""
 
+import dataclasses
+
 import pytest
 
 from host.solver import backends
@@ -7,6 +9,7 @@ from host.solver.backends import highs as highs_backend
 from host.solver.baseline_pricing import EJECTION_SEARCH, KEEP_ALL, cheapest_feasible, price_baselines, replay_plan
 from host.solver.baselines import block_boundaries, checkpoint_sequential_plan, keep_all_plan
 from host.solver.deadline import DEFAULT_TIME_LIMIT_S
+from host.solver.eviction_bound import EVICTION_BOUND_TIME_LIMIT_S
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
 from host.solver.validator import validate_schedule
 
@@ -105,8 +108,9 @@ def test_the_paper_formulation_runs_without_baselines():
 @pytest.mark.slow  # ~19 s
 def test_without_a_time_limit_the_ejection_moves_get_a_quarter_of_the_default_one(monkeypatch):
     """Random graph 5 of 16 nodes at 40% with no time limit, where no greedy is proven: the ejection search is still
-    bounded (its last round runs the local search after every move, minutes a pass on large graphs), by a quarter of
-    the default 300 s. Stopped there (Ctrl-C), the solve answers with the best baseline, marked interrupted."""
+    bounded (its last round runs the local search after every move, minutes a pass on large graphs): beside the second
+    covering problem by that problem's time (1.5 times the first's 20 s), alone by a quarter of the default 300 s.
+    Stopped there (Ctrl-C), the solve answers with the best baseline, marked interrupted."""
     from host.solver import solve
 
     limits_s: list[float | None] = []
@@ -119,6 +123,15 @@ def test_without_a_time_limit_the_ejection_moves_get_a_quarter_of_the_default_on
     monkeypatch.setattr(solve, "ejection_search", stopped_at_once)
     priced = price_simply(random_training_graph(5, 16))
     budget = max(minimum_ram_bytes(priced) * 1.05, 0.4 * no_remat_peak_bytes(priced))
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=10, mip_gap=1e-6,
+                                                 time_limit_s=None))
+    assert len(limits_s) == 1 and limits_s[0] is not None and 0 < limits_s[0] <= 1.5 * EVICTION_BOUND_TIME_LIMIT_S
+    assert result.interrupted and result.schedule is not None
+    # alone (no second covering problem: the first one, as if cut short, did not close), a quarter of the default limit
+    real_cover = solve.eviction_cover
+    monkeypatch.setattr(solve, "eviction_cover",
+                        lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
+    limits_s.clear()
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=10, mip_gap=1e-6,
                                                  time_limit_s=None))
     assert limits_s == [pytest.approx(0.25 * DEFAULT_TIME_LIMIT_S)]

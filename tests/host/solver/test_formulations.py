@@ -74,19 +74,19 @@ def test_ours_is_never_infeasible_or_worse_than_the_papers_many_graphs(ablation,
     _compare(seed, size, share, page_j_per_byte, runtime_factor, ablations=(ablation,))
 
 
-@pytest.mark.slow  # ~11 s: the paper's MILP beside ours
-def test_backward_recomputation_is_allowed_when_it_is_the_only_way():
-    """A graph where only recomputing a backward node fits: the paper's formulation allows it, so must ours."""
-    for seed in range(40):
-        priced = price_simply(random_training_graph(seed, 6), page_j_per_byte=1e-3)
-        for share in (0.3, 0.4, 0.5):
-            budget = max(minimum_ram_bytes(priced), share * no_remat_peak_bytes(priced))
-            paper = _solve(priced, budget, "poet2022", paging=False)
-            if paper.status != "optimal":
-                continue
-            ours = _solve(priced, budget, paging=False)
-            assert ours.status == "optimal"
-            assert ours.objective_j <= paper.objective_j * (1 + RTOL)
+@pytest.mark.parametrize("seed", [42, 57, 125, 138])
+def test_backward_recomputation_is_allowed_where_the_optimum_needs_it(seed):
+    """Random graphs of 6 nodes at their hard floor without paging (runtime factor 3), where the paper's proven
+    optimum recomputes a backward node: ours allows it too, and reaches the same optimum by it."""
+    priced = price_simply(random_training_graph(seed, 6), page_j_per_byte=1e-3)
+    backward = [i for i, node in enumerate(priced.graph.nodes) if node.kind == "bwd"]
+    budget = minimum_ram_bytes(priced)
+    paper = _solve(priced, budget, "poet2022", paging=False, runtime_factor=3.0)
+    assert paper.status == "optimal" and any(paper.plan.recompute[:, i].sum() > 1 for i in backward)
+    ours = _solve(priced, budget, paging=False, runtime_factor=3.0)
+    assert ours.status == "optimal"
+    assert ours.objective_j <= paper.objective_j * (1 + RTOL)
+    assert any(ours.plan.recompute[:, i].sum() > 1 for i in backward)
 
 
 def test_warm_start_returned_unchanged_is_not_reported_as_the_optimum():
