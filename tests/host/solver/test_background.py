@@ -41,6 +41,22 @@ def _block_at_its_floor():
     return priced, minimum_ram_bytes(priced)
 
 
+def _second_cover_runs_until_stopped(monkeypatch) -> list[bool]:
+    """The second covering problem replaced by one that runs until told to stop (up to WAIT_S), then ends as
+    eviction_cover does when its HiGHS solve is cancelled; the list gets whether it was told."""
+    stopped: list[bool] = []
+    real_cover = solve.eviction_cover
+
+    def second_cover_runs_until_stopped(*args, second_restorations=False, cancel=None, **kwargs):
+        if not second_restorations:
+            return real_cover(*args, cancel=cancel, **kwargs)
+        stopped.append(cancel.wait(WAIT_S))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
+    return stopped
+
+
 def test_a_deadline_with_an_event_passes_when_the_event_is_set():
     event = threading.Event()
     deadline = Deadline(None, until=event)
@@ -156,16 +172,7 @@ def test_ejection_moves_run_while_the_second_covering_problem_is_solved_and_stop
 def test_a_ctrl_c_while_the_second_covering_problem_is_solved_beside_stops_it_and_keeps_the_best_schedule(monkeypatch):
     """A Ctrl-C lands on the solve's thread while the second covering problem runs on another (here it runs until
     told to stop): that problem is stopped, the solve waits for it, and the best schedule so far is the answer."""
-    stopped = []
-    real_cover = solve.eviction_cover
-
-    def second_cover_runs_until_stopped(*args, second_restorations=False, cancel=None, **kwargs):
-        if not second_restorations:
-            return real_cover(*args, cancel=cancel, **kwargs)
-        stopped.append(cancel.wait(WAIT_S))
-        raise KeyboardInterrupt  # as eviction_cover does when its HiGHS solve is cancelled
-
-    monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
+    stopped = _second_cover_runs_until_stopped(monkeypatch)
     priced, budget = _block_at_its_floor()
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     started = time.perf_counter()
@@ -187,16 +194,7 @@ def test_a_schedule_proven_by_the_first_bound_while_the_second_problem_runs_stop
     solve goes on without its bound and still proves the optimum with the MILP."""
     import math
 
-    stopped = []
-    real_cover = solve.eviction_cover
-
-    def second_cover_runs_until_stopped(*args, second_restorations=False, cancel=None, **kwargs):
-        if not second_restorations:
-            return real_cover(*args, cancel=cancel, **kwargs)
-        stopped.append(cancel.wait(WAIT_S))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
+    stopped = _second_cover_runs_until_stopped(monkeypatch)
     monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
     priced, budget = _block_at_its_floor()
     started = time.perf_counter()
