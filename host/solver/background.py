@@ -64,17 +64,15 @@ class Background(Generic[T]):
                 continue
 
     def map(self, function: Callable[[T], U]) -> Pending[U]:
-        """The answer seen through ``function`` (computed on the first call of ``result``)."""
+        """The answer seen through ``function`` (applied when ``result`` is called)."""
         return Pending(self, function)
 
 
 class Pending(Generic[U]):
-    """A view of a Background's answer: ``done`` and ``result`` as the Background's."""
+    """A view of a Background's answer: ``done``, ``finished`` and ``result`` as the Background's."""
 
     def __init__(self, source: Background, function: Callable) -> None:
         self._source, self._function = source, function
-        self._lock = threading.Lock()
-        self._computed: tuple[U] | None = None
 
     @property
     def finished(self) -> threading.Event:
@@ -84,8 +82,4 @@ class Pending(Generic[U]):
         return self._source.done()
 
     def result(self) -> U:
-        value = self._source.result()
-        with self._lock:
-            if self._computed is None:
-                self._computed = (self._function(value),)
-            return self._computed[0]
+        return self._function(self._source.result())
