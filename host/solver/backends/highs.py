@@ -40,6 +40,15 @@ _KILL_GRACE_S = 1.0
 _SETUP_S_PER_NONZERO = 2e-6
 _SETUP_SHARE_OF_TIME_LEFT = 0.25
 
+# A worker whose HiGHS ended on its own (optimal or infeasible, no cancel) on a model of at most this many nonzeros
+# waits for another solve instead of exiting: starting one costs about 0.15 s of wall time and 0.12 s of CPU, most of
+# a small solve (the covering problems' rounds, the property tests' thousands of solves of 3-8 layer graphs), and
+# nothing on a large one, whose memory is then given back with its process.
+REUSE_MAX_NONZEROS = 200_000
+# Workers kept waiting after their solve (a solve runs at most two at once: a covering problem beside the MILP or the
+# baselines), besides the spare started ahead.
+_WAITING_WORKERS = 2
+
 
 def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) and abs(value) < 1e29 else None
@@ -108,6 +117,7 @@ class _Worker:
         self.incumbent: tuple | None = None  # (x, objective, bound, gap) of the best schedule sent
         self.bound: float | None = None
         self.result: dict | None = None
+        self.waits = False  # the worker said it waits for another solve after its result
         try:
             try:
                 send_frame(self.process.stdin.fileno(), request)
@@ -148,7 +158,11 @@ class _Worker:
         if self.result is None:  # the reader stopped without an answer: the worker may be blocked writing to it
             self._kill()
         reader.join()
-        code = self.process.wait()
+        code = None
+        if self.result is not None and self.waits and cancelled_at is None:
+            _SPARE.give_back(self.process)
+        else:
+            code = self.process.wait()
         solve_s = time.perf_counter() - started
         if self.result is not None:
             result = MilpResult(**{**self.result, "solve_s": solve_s})
@@ -187,8 +201,9 @@ class _Worker:
                 if progress is not None:
                     progress(SolverProgress(elapsed_s=time.perf_counter() - started, incumbent_j=incumbent_j,
                                             bound_j=bound_j, gap=gap))
-            elif kind == "result":
-                self.result = message[1]
+            elif kind == "result":  # the last frame of this solve (a worker that waits sends nothing more)
+                self.result, self.waits = message[1], bool(message[2])
+                return
 
     def _cancel(self, *, user: bool) -> float:
         try:
@@ -206,6 +221,8 @@ def _worker_env() -> dict[str, str]:
     package_root = str(Path(__file__).resolve().parents[3])  # the directory holding the host package
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # The worker uses no BLAS: numpy's OpenBLAS threads, started at import, cost 0.1 s of CPU per worker for nothing.
+    env["OPENBLAS_NUM_THREADS"] = "1"
     return env
 
 
@@ -229,31 +246,57 @@ def _end_worker(process: subprocess.Popen) -> None:
 class _SpareWorker:
     """One started worker kept waiting for the next solve, so that a run of solves does not wait for each worker to
     start (about 0.15 s of 0.25 s for a small solve): the eviction bound's rounds, the MILP, the fleet's solver workers,
-    the property tests' thousands of small solves. Each solve still has a process of its own, ended or killed with it;
-    the spare that takes its place is started as it is taken. A spare holds about 32 MB (16 MB its own) and ends with
-    this process (the end of its stdin). It is not shared across a fork (the child starts its own), and a spare started
-    with another interpreter or PYTHONPATH is ended, not used."""
+    the property tests' thousands of small solves. The spare that takes its place is started as it is taken. A worker
+    whose small solve ended on its own waits too (up to _WAITING_WORKERS of them, taken before the spare); any other
+    is ended or killed with its solve. A waiting worker holds about 32 MB (16 MB its own) and ends with this process
+    (the end of its stdin). They are not shared across a fork (the child starts its own), and one started with
+    another interpreter or PYTHONPATH is ended, not used."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._solved: list[subprocess.Popen] = []  # workers that solved and wait for another request
         self._owner_pid = -1
-        self._launch: tuple[str, str] = ("", "")  # (interpreter, PYTHONPATH) the spare was started with
+        self._launch: tuple[str, str] = ("", "")  # (interpreter, PYTHONPATH) the waiting workers were started with
 
     def take(self) -> subprocess.Popen:
-        """A worker waiting for its request: the spare if it is alive, else a new one; a new spare is started."""
+        """A worker waiting for its request: one that solved before if one is alive, else the spare if it is alive
+        (a new spare is then started), else a new one."""
         env = _worker_env()
         launch = (sys.executable, env["PYTHONPATH"])
-        stale = None
+        stale: list[subprocess.Popen] = []
         with self._lock:
-            spare = self._process if self._owner_pid == os.getpid() else None
-            if spare is not None and (self._launch != launch or spare.poll() is not None):
-                stale, spare = spare, None
-            process = spare if spare is not None else _start_worker(env)
-            self._process, self._owner_pid, self._launch = _start_worker(env), os.getpid(), launch
-        if stale is not None:  # ended outside the lock: it may take up to _KILL_GRACE_S
-            _end_worker(stale)
+            if self._owner_pid != os.getpid():  # a forked child: its parent's workers are not its own
+                self._process, self._solved, self._owner_pid = None, [], os.getpid()
+            if self._launch != launch:
+                stale += self._waiting()
+                self._process, self._solved, self._launch = None, [], launch
+            while self._solved:
+                process = self._solved.pop()
+                if process.poll() is None:
+                    break
+                stale.append(process)
+            else:
+                process = self._process
+                if process is None or process.poll() is not None:
+                    stale += [process] if process is not None else []
+                    process = _start_worker(env)
+                self._process = _start_worker(env)
+        for old in stale:  # ended outside the lock: each may take up to _KILL_GRACE_S
+            _end_worker(old)
         return process
+
+    def give_back(self, process: subprocess.Popen) -> None:
+        """A worker that solved and waits for another request: kept, or ended where enough wait already."""
+        with self._lock:
+            keep = self._owner_pid == os.getpid() and len(self._solved) < _WAITING_WORKERS and process.poll() is None
+            if keep:
+                self._solved.append(process)
+        if not keep:
+            _end_worker(process)
+
+    def _waiting(self) -> list[subprocess.Popen]:
+        return [process for process in [self._process, *self._solved] if process is not None]
 
     @property
     def pid(self) -> int | None:
@@ -261,11 +304,17 @@ class _SpareWorker:
         with self._lock:
             return self._process.pid if self._process is not None and self._owner_pid == os.getpid() else None
 
-    def stop(self) -> None:
-        """End the spare and wait for it (at exit)."""
+    def pids(self) -> list[int]:
+        """The process ids of every worker waiting for a request (the spare's, and those that solved before)."""
         with self._lock:
-            process, self._process = (self._process, None) if self._owner_pid == os.getpid() else (None, None)
-        if process is not None:
+            return [process.pid for process in self._waiting()] if self._owner_pid == os.getpid() else []
+
+    def stop(self) -> None:
+        """End the waiting workers and wait for them (at exit)."""
+        with self._lock:
+            processes = self._waiting() if self._owner_pid == os.getpid() else []
+            self._process, self._solved = None, []
+        for process in processes:
             _end_worker(process)
 
 
@@ -274,8 +323,13 @@ atexit.register(_SPARE.stop)
 
 
 def spare_worker_pid() -> int | None:
-    """The process id of the worker waiting for the next solve, if one is."""
+    """The process id of the worker started ahead for the next solve, if one is."""
     return _SPARE.pid
+
+
+def waiting_worker_pids() -> list[int]:
+    """The process ids of every worker waiting for a solve: the spare, and those kept after a small solve."""
+    return _SPARE.pids()
 
 
 # Frames between the solver and its worker: 8 bytes of length, then a pickle (both ends are this package).

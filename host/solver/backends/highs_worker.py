@@ -1,13 +1,16 @@
 """The HiGHS solve in a process of its own: ``python -m host.solver.backends.highs_worker``.
 
 Started by :func:`host.solver.backends.highs.solve_highs` (one spare started ahead, waiting for the next solve's
-request: see ``_SpareWorker`` there). It reads one request frame on stdin (the
+request: see ``_SpareWorker`` there). It reads a request frame on stdin (the
 problem and options), solves, and writes frames on stdout: ``("progress", incumbent_j, bound_j, gap)``
 at most every :data:`~host.solver.backends.highs._PROGRESS_PERIOD_S`, ``("incumbent", x, objective,
-bound, gap)`` for each improving schedule, and ``("result", fields of MilpResult)`` at the end. A
+bound, gap)`` for each improving schedule, and ``("result", fields of MilpResult, waits)`` at the end. A
 ``("cancel", user)`` frame on stdin asks HiGHS to stop (``user``: the result is marked interrupted);
-the end of stdin means the solver is gone, and the worker exits at once. Ctrl-C is left to the solver,
-which decides when to stop (the terminal sends it to the whole process group).
+the end of stdin means the solver is gone, and the worker exits at once. ``waits``: HiGHS ended on its own
+(optimal or infeasible, no cancel) on a small model (:data:`~host.solver.backends.highs.REUSE_MAX_NONZEROS`),
+and the worker waits for another request instead of exiting, so that a run of small solves does not start a
+process each. Ctrl-C is left to the solver, which decides when to stop (the terminal sends it to the whole process
+group).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
+import highspy  # noqa: E402
 import numpy as np  # noqa: E402
 
 from host.solver.backends.highs import (  # noqa: E402
     _PROGRESS_PERIOD_S,
     _WAIT_PERIOD_S,
+    REUSE_MAX_NONZEROS,
     _finite,
     configure_time_limit,
     highs_result,
@@ -44,9 +49,23 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.dup(1)  # frames go to the real stdout; anything HiGHS prints goes to stderr
     os.dup2(2, 1)
-    request = receive_frame(_STDIN)
-    if request is None:
-        os._exit(_GONE_EXIT)
+    threads = None  # the thread count HiGHS's scheduler was started with in this process
+    while True:
+        request = receive_frame(_STDIN)
+        if request is None:
+            os._exit(_GONE_EXIT)
+        if not isinstance(request, dict):  # a cancel that crossed the last result: that solve is over
+            continue
+        if threads is not None and request["threads"] != threads:
+            highspy.Highs.resetGlobalScheduler(True)  # HiGHS keeps one scheduler per process, sized by its first solve
+        threads = request["threads"]
+        if not _solve(request, out):
+            sys.stderr.flush()
+            os._exit(0)  # HiGHS's worker threads may still run (a cancelled analytic-centre task): do not wait for them
+
+
+def _solve(request: dict, out: int) -> bool:
+    """Solve one request and send its frames; whether this process waits for another (see the module docstring)."""
     started = time.perf_counter()
     problem = request["problem"]
     highs = prepared_highs(problem, mip_gap=request["mip_gap"], threads=request["threads"], start=request["start"],
@@ -76,7 +95,7 @@ def main() -> None:
     highs.cbMipInterrupt.subscribe(report)
     highs.cbMipImprovingSolution.subscribe(improved)
     highs.HandleUserInterrupt = True  # so that cancelSolve stops the run
-    user = False
+    user = cancelled = False
     highs.startSolve()
     while True:
         done, _status = highs.wait(_WAIT_PERIOD_S)
@@ -86,12 +105,16 @@ def main() -> None:
             message = receive_frame(_STDIN)
             if message is None:  # the solver is gone: nobody wants the answer
                 os._exit(_GONE_EXIT)
-            user = bool(message[1])
+            user, cancelled = bool(message[1]), True
             highs.cancelSolve()
     result = highs_result(highs, user, time.perf_counter() - started)
-    send(("result", dataclasses.asdict(result)))
-    sys.stderr.flush()
-    os._exit(0)  # HiGHS's worker threads may still run (a cancelled analytic-centre task): do not wait for them
+    waits = (not cancelled and result.status in ("optimal", "infeasible")
+             and problem.num_nonzeros <= REUSE_MAX_NONZEROS)
+    highs.cbMipInterrupt.unsubscribe(report)
+    highs.cbMipImprovingSolution.unsubscribe(improved)
+    del highs
+    send(("result", dataclasses.asdict(result), waits))
+    return waits
 
 
 if __name__ == "__main__":

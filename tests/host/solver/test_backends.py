@@ -67,7 +67,7 @@ def test_a_progress_display_that_fails_stops_the_worker_instead_of_waiting_for_i
 
     from host.costs import load_profile, price_graph
     from host.run.sources import ModelSource
-    from host.solver.backends.highs import solve_highs, spare_worker_pid
+    from host.solver.backends.highs import solve_highs, waiting_worker_pids
     from host.solver.poet_milp import FormulationOptions, PoetFormulation
 
     priced = price_graph(ModelSource("poet2022:resnet18_cifar").resolve().graph, load_profile("m4"))
@@ -83,66 +83,94 @@ def test_a_progress_display_that_fails_stops_the_worker_instead_of_waiting_for_i
     assert time.perf_counter() - calls[0] < 10  # killed at once; the worker's own limit is 600 s
     assert result.status == "error" and "ended" in result.message, result.message
     workers = [p for p in psutil.Process().children() if "highs_worker" in " ".join(p.cmdline())]
-    assert [p.pid for p in workers] == [spare_worker_pid()]  # only the spare waiting for the next solve is left
+    assert sorted(p.pid for p in workers) == sorted(waiting_worker_pids())  # only workers waiting for a solve are left
 
 
-def _wait_until_gone(pid: int, timeout_s: float = 10.0) -> bool:
+def test_a_small_solves_worker_waits_for_the_next_solve_and_solves_it():
+    """A run of small solves does not start a worker each: the one that solved waits for the next (the threads asked
+    for may differ), beside the spare started ahead; no process is started for the later solves."""
     import psutil
 
-    try:
-        process = psutil.Process(pid)
-        process.wait(timeout=timeout_s)
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.TimeoutExpired:
-        return process.status() == psutil.STATUS_ZOMBIE
-    return True
-
-
-def test_each_solve_takes_the_spare_worker_waiting_for_it_and_leaves_a_new_one():
-    """A run of solves does not wait for each worker to start: the one started beside the last solve solves the next
-    (and ends with it), and another waits in its place."""
-    import psutil
-
-    from host.solver.backends.highs import solve_highs, spare_worker_pid
+    from host.solver.backends.highs import solve_highs, spare_worker_pid, waiting_worker_pids
 
     assert solve_highs(_knapsack(), mip_gap=0.0).status == "optimal"
-    waiting = spare_worker_pid()
-    assert waiting is not None and psutil.Process(waiting).is_running()
-    result = solve_highs(_knapsack(), mip_gap=0.0)
-    assert result.status == "optimal" and result.objective == pytest.approx(-6.0)
-    assert _wait_until_gone(waiting), "the spare waiting before the solve did not solve it"
-    assert spare_worker_pid() not in (None, waiting)
+    waiting = sorted(waiting_worker_pids())
+    assert spare_worker_pid() in waiting and len(waiting) >= 2  # the spare, and at least the worker that solved
+    children = sorted(p.pid for p in psutil.Process().children())
+    for threads in (1, None, 2):
+        result = solve_highs(_knapsack(), mip_gap=0.0, threads=threads)
+        assert result.status == "optimal" and result.objective == pytest.approx(-6.0)
+    assert sorted(waiting_worker_pids()) == waiting
+    assert sorted(p.pid for p in psutil.Process().children()) == children
 
 
-def test_a_spare_worker_killed_while_it_waited_is_replaced_and_the_solve_answers():
+def _pids_gone(pids: list[int], timeout_s: float = 5.0) -> list[int]:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    gone, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return sorted({*pids} - {p.pid for p in alive})
+
+
+def test_a_worker_stopped_at_its_limit_or_given_a_large_model_ends_with_its_solve():
+    """Only a small solve that HiGHS ended on its own leaves its worker waiting: one stopped at its time limit ends
+    (HiGHS may still run a task its cancel does not reach), and so does one that held a large model (its memory is
+    given back with the process)."""
+    from host.solver.backends.highs import REUSE_MAX_NONZEROS, solve_highs, waiting_worker_pids
+    from tests.host.solver.test_background import _market_split
+
+    solve_highs(_knapsack(), mip_gap=0.0)
+    before = waiting_worker_pids()
+    stopped = solve_highs(_market_split(), time_limit_s=1.0, mip_gap=0.0)
+    assert stopped.status in ("feasible", "timeout")
+    [gone] = _pids_gone(before, timeout_s=1.0)  # the worker that solved it (already waited for)
+    assert gone not in waiting_worker_pids()
+
+    large = MilpProblem("one row of many binaries")
+    columns = [large.add_var(cost=-1.0) for _ in range(REUSE_MAX_NONZEROS + 1)]
+    large.add_row([(column, 1.0) for column in columns], ub=1.0)
+    before = waiting_worker_pids()
+    result = solve_highs(large, mip_gap=0.0)
+    assert result.status == "optimal" and result.objective == pytest.approx(-1.0)
+    [gone] = _pids_gone(before, timeout_s=1.0)
+    assert gone not in waiting_worker_pids()
+
+
+def test_waiting_workers_killed_while_they_waited_are_replaced_and_the_solve_answers():
     import os
     import signal
 
-    from host.solver.backends.highs import solve_highs, spare_worker_pid
+    from host.solver.backends.highs import solve_highs, waiting_worker_pids
 
     solve_highs(_knapsack(), mip_gap=0.0)
-    killed = spare_worker_pid()
-    os.kill(killed, signal.SIGKILL)
-    assert _wait_until_gone(killed)
+    killed = waiting_worker_pids()
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert _pids_gone(killed) == sorted(killed)
     result = solve_highs(_knapsack(), mip_gap=0.0)
     assert result.status == "optimal" and result.objective == pytest.approx(-6.0)
-    assert spare_worker_pid() != killed
+    assert waiting_worker_pids() and not set(waiting_worker_pids()) & set(killed)
 
 
 def test_the_spare_worker_ends_with_the_process_that_started_it():
-    """No worker outlives its solver: a process that solved once exits at once and leaves no spare behind."""
+    """No worker outlives its solver: a process that solved once exits at once and leaves no waiting worker behind."""
     import subprocess
     import sys
     import time
 
-    code = ("from host.solver.backends.highs import solve_highs, spare_worker_pid\n"
+    code = ("from host.solver.backends.highs import solve_highs, waiting_worker_pids\n"
             "from tests.host.solver.test_backends import _knapsack\n"
             "assert solve_highs(_knapsack(), mip_gap=0.0).status == 'optimal'\n"
-            "print(spare_worker_pid(), flush=True)\n")
+            "print(*waiting_worker_pids(), flush=True)\n")
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    spare = int(out.stdout.strip())
-    assert _wait_until_gone(spare, timeout_s=5.0), "the spare worker outlived the process that started it"
+    waiting = [int(pid) for pid in out.stdout.split()]
+    assert len(waiting) == 2  # the spare, and the worker that solved
+    assert _pids_gone(waiting) == sorted(waiting), "a waiting worker outlived the process that started it"
     assert time.perf_counter() - started < 30

@@ -8,7 +8,7 @@ from torch import nn
 
 from host.costs import load_profile, price_graph
 from host.run.sources import ModelSource
-from host.solver.backends.highs import spare_worker_pid
+from host.solver.backends.highs import waiting_worker_pids
 from host.solver.baseline_pricing import cheapest_feasible, price_baselines
 from host.solver.deadline import Deadline, DeadlineExpired
 from host.solver.poet_milp import FormulationOptions, PoetFormulation
@@ -111,7 +111,7 @@ def test_a_solver_that_stops_answering_is_stopped_at_the_limit_with_its_incumben
         if frozen or report.incumbent_j is None:
             return
         workers = [p for p in psutil.Process().children()
-                   if "highs_worker" in " ".join(p.cmdline()) and p.pid != spare_worker_pid()]
+                   if "highs_worker" in " ".join(p.cmdline()) and p.pid not in waiting_worker_pids()]
         assert len(workers) == 1, workers
         os.kill(workers[0].pid, signal.SIGSTOP)
         frozen.append(workers[0])
