@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -261,34 +262,54 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
                     if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
                         offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts)
-            if offers and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
+            # With HiGHS, which stops on an event, the ejection moves from the cheapest plan run beside the MILP
+            # instead (below); the PuLP backends are not stopped so, and get them first.
+            if (offers and options.solver != "highs"
+                    and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
                 offers = _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s,
                                            progress, enough_j=_proven_optimal_below_j(options, floor_bound_j))
             # A baseline within the gap of the bound proven so far is optimal without the MILP.
-            if offers and options.shortcut_non_binding:
-                best = offers[0]
-                gap = _relative_gap(best.energy_j, floor_bound_j)
-                if gap <= options.mip_gap:
-                    return _baseline_answer(
-                        priced, best, options, runtime_budget_s, started, baselines, None, common, floor_bound_j,
-                        status="optimal",
-                        message=(f"the {best.name} schedule is within {gap:.3%} of the lower bound "
-                                 f"{floor_bound_j:.6g} J (compute-once energy and forced evictions): optimal within "
-                                 f"the gap {options.mip_gap:g}"))
+            if (offers and options.shortcut_non_binding
+                    and _relative_gap(offers[0].energy_j, floor_bound_j) <= options.mip_gap):
+                return _proven_baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines,
+                                               common, floor_bound_j)
         # Model building and the MILP stop early enough to leave the reserve for the answer's validation.
         work_deadline = Deadline(None if options.time_limit_s is None else options.time_limit_s - reserve_s, started)
         work_deadline.check("the baselines and searches before the MILP ran")
-        _report_phase(progress, started, "building model")
-        formulation = FORMULATIONS[options.formulation](priced, formulation_options, _building_deadline(work_deadline))
-        start = None
-        for offer in offers[:_STARTS_TRIED]:
-            work_deadline.check("mapping the warm start onto the model")
-            start = formulation.start_from_plan(offer.plan)
-            if start is not None:
-                break
-        outcome = _solve_milp(priced, formulation, options, runtime_budget_s, start, started, floor_bytes,
-                              work_deadline, progress, floor_bound_j)
+
+        starts = offers[:_STARTS_TRIED]
+
+        def milp_phase(cancel: threading.Event | None = None) -> SolveResult:
+            """Build the model, map the cheapest offer it admits onto it as the start, and solve it; ``cancel`` (from
+            another thread) stops it as Ctrl-C does."""
+            deadline = work_deadline if cancel is None else work_deadline.until_set(cancel)
+            _report_phase(progress, started, "building model")
+            formulation = FORMULATIONS[options.formulation](priced, formulation_options, _building_deadline(deadline))
+            start = None
+            for offer in starts:
+                deadline.check("mapping the warm start onto the model")
+                start = formulation.start_from_plan(offer.plan)
+                if start is not None:
+                    break
+            return _solve_milp(priced, formulation, options, runtime_budget_s, start, started, floor_bytes, deadline,
+                               progress, floor_bound_j, cancel)
+
+        enough_j = _proven_optimal_below_j(options, floor_bound_j)
+        if (use_baselines and options.solver == "highs" and offers
+                and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap
+                and _unsearched_start(offers, searched) is not None):
+            milp_task = Background(milp_phase, "poet-milp")
+            background.append(milp_task)
+            outcome = _milp_beside_ejections(milp_task, priced, options, runtime_budget_s, baselines, searched, started,
+                                             reserve_s, work_deadline, enough_j, progress)
+            offers = cheapest_feasible(baselines)
+            if outcome is None:  # an ejection plan proven by the bound: the MILP was stopped
+                return _proven_baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines,
+                                               common, floor_bound_j)
+        else:
+            outcome = milp_phase()
     except DeadlineExpired as expired:
+        offers = cheapest_feasible(baselines)  # with the plans found beside the MILP
         if not offers:
             return SolveResult("timeout", None, None, None, None, time.perf_counter() - started,
                                message=f"{expired}: no schedule was found within the time limit of "
@@ -324,6 +345,51 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
     if outcome.schedule is not None:
         outcome.schedule.solve.solve_s = outcome.solve_s
     return outcome
+
+
+def _milp_beside_ejections(milp_task: Background[SolveResult], priced: PricedGraph, options: SolveOptions,
+                           runtime_budget_s: float, baselines: list[BaselineResult], searched: list[BaselineResult],
+                           started: float, reserve_s: float, work_deadline: Deadline, enough_j: float | None,
+                           progress: ProgressCallback | None) -> SolveResult | None:
+    """Ejection moves on this thread while the MILP is built and solved on ``milp_task``'s (HiGHS in its worker
+    process, on the other core), until it answers; then, where it proved nothing and time is left, on their own
+    until their passes end. None: a plan within the gap of the bound was found, and the MILP was stopped.
+
+    A Ctrl-C stops the MILP, whose incumbent is the answer's candidate (marked interrupted), as during a MILP alone;
+    stopped before the MILP started, it is raised for the baselines to answer."""
+    interrupted = False
+    try:
+        _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s, None,
+                          work_deadline.until_set(milp_task.finished), enough_j)
+    except KeyboardInterrupt:
+        interrupted = True
+        milp_task.cancel.set()
+    else:
+        offers = cheapest_feasible(baselines)
+        if enough_j is not None and offers and offers[0].energy_j <= enough_j:
+            milp_task.stop()
+            return None
+    try:
+        try:
+            outcome = milp_task.result()
+        except KeyboardInterrupt:  # while waiting for it: result() has stopped it, and kept what it answered
+            interrupted = True
+            outcome = milp_task.result()
+    except DeadlineExpired:  # the MILP did not start: stopped before it could, or no time was left
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    if not interrupted and outcome.status != "optimal" and not work_deadline.expired():
+        # The MILP ended without a proof and before the deadline (an error): the moves resume where they stopped.
+        _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s, progress,
+                          enough_j=enough_j)
+    return outcome
+
+
+def _unsearched_start(offers: list[BaselineResult], searched: list[BaselineResult]) -> BaselineResult | None:
+    """The cheapest offer with policies whose ejection passes have not ended."""
+    return next((offer for offer in offers if offer.policies is not None
+                 and not any(offer is done for done in searched)), None)
 
 
 def _proven_optimal_below_j(options: SolveOptions, bound_j: float) -> float | None:
@@ -379,8 +445,7 @@ def _search_ejections(priced: PricedGraph, options: SolveOptions, runtime_budget
     the time limit, never into the time kept for the answer. It stops at a plan that costs at most ``enough_j``
     (within the gap of the bound proven so far)."""
     offers = cheapest_feasible(baselines)
-    start = next((offer for offer in offers if offer.policies is not None
-                  and not any(offer is done for done in searched)), None)
+    start = _unsearched_start(offers, searched)
     if start is None:
         return offers
     _report_phase(progress, started, "ejection search")
@@ -451,7 +516,7 @@ def _building_deadline(deadline: Deadline) -> Deadline:
     if deadline.at is None:
         return deadline
     now = time.perf_counter()
-    return Deadline(max(0.0, deadline.at - now) * (1 - _TEARDOWN_SHARE), now)
+    return Deadline(max(0.0, deadline.at - now) * (1 - _TEARDOWN_SHARE), now, until=deadline.until)
 
 
 # The MILP starts (and is retried) only with at least this many seconds left: a worker process to start and the
@@ -460,10 +525,12 @@ _MILP_MIN_S = 2.0
 
 
 def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: float, start, started: float,
-                floor_bytes: int, deadline: Deadline, progress, floor_bound_j: float) -> SolveResult:
+                floor_bytes: int, deadline: Deadline, progress, floor_bound_j: float,
+                cancel: threading.Event | None = None) -> SolveResult:
     """The MILP, retried without the start and then without presolve while its answers disagree with themselves.
 
     ``deadline`` is the MILP's: the solve's own, less the reserve for validating and polishing the answer.
+    ``cancel`` (HiGHS only): set from another thread, it stops the solve as Ctrl-C does.
     """
     sizes = dict(model_columns=formulation.problem.num_cols, model_rows=formulation.problem.num_rows)
     retries: list[str] = []
@@ -490,6 +557,7 @@ def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: fl
             progress=progress,
             presolve=presolve,
             deadline_at=deadline.at,
+            cancel=cancel,
         )
         outcome = _checked_outcome(priced, formulation, options, runtime_budget_s, result, started, floor_bytes,
                                    sizes, floor_bound_j)
@@ -522,6 +590,17 @@ def _baseline_answer(priced: PricedGraph, baseline: BaselineResult, options: Sol
     sizes = {} if milp is None else dict(model_columns=milp.model_columns, model_rows=milp.model_rows)
     return SolveResult(status, schedule, report, report.energy_j, gap, elapsed, message=message, plan=baseline.plan,
                        baselines=baselines, bound_j=bound_j, **common, **sizes)
+
+
+def _proven_baseline_answer(priced: PricedGraph, best: BaselineResult, options: SolveOptions, runtime_budget_s: float,
+                            started: float, baselines: list[BaselineResult], common: dict,
+                            floor_bound_j: float) -> SolveResult:
+    """A baseline within the gap of the bound proven before the MILP: optimal without it."""
+    gap = _relative_gap(best.energy_j, floor_bound_j)
+    return _baseline_answer(
+        priced, best, options, runtime_budget_s, started, baselines, None, common, floor_bound_j, status="optimal",
+        message=(f"the {best.name} schedule is within {gap:.3%} of the lower bound {floor_bound_j:.6g} J (compute-once "
+                 f"energy and forced evictions): optimal within the gap {options.mip_gap:g}"))
 
 
 # Relative tolerance between the solver's objective, its columns' objective and the validated energy.

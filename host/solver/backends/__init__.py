@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -54,17 +55,21 @@ def solve_milp(
     progress: ProgressCallback | None = None,
     presolve: bool = True,
     deadline_at: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> MilpResult:
     """Solve ``problem`` with the named backend. ``presolve=False`` is the retry of an untrusted answer.
 
     ``deadline_at`` (time.perf_counter()) is when the call must return by: HiGHS cancels its solve
-    there; the PuLP backends get the time left as their time limit.
+    there; the PuLP backends get the time left as their time limit. ``cancel`` (HiGHS only): set from another
+    thread, it stops the solve as Ctrl-C does.
     """
+    if cancel is not None and solver != "highs":
+        raise ValueError(f"the {solver} backend cannot be stopped from another thread; only highs can")
     if deadline_at is not None and solver != "highs":
         time_left_s = max(0.5, deadline_at - time.perf_counter())
         time_limit_s = time_left_s if time_limit_s is None else min(time_limit_s, time_left_s)
     keywords = dict(time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads, start=start, progress=progress,
                     presolve=presolve)
     if solver == "highs":
-        keywords["deadline_at"] = deadline_at
+        keywords.update(deadline_at=deadline_at, cancel=cancel)
     return get_backend(solver)(problem, **keywords)

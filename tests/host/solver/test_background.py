@@ -1,6 +1,7 @@
 """Phases of a solve on a thread of their own: the covering problems' HiGHS workers on one core, the baselines and the
 ejection moves on the other; stopped from the solve's thread (Ctrl-C lands there only), and never left running."""
 
+import dataclasses
 import os
 import random
 import signal
@@ -55,6 +56,28 @@ def _second_cover_runs_until_stopped(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
     return stopped
+
+
+def _first_cover_left_open(monkeypatch) -> None:
+    """The first covering problem reported as not closed (as if cut short): no second one runs, so the ejection moves
+    from the greedy run beside the MILP."""
+    real_cover = solve.eviction_cover
+    monkeypatch.setattr(solve, "eviction_cover",
+                        lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
+
+
+def _milp_waits(monkeypatch, for_event: threading.Event | None = None) -> list[bool]:
+    """The MILP's backend call waits (up to WAIT_S) for ``for_event``, or for its cancel when none is given, then
+    solves; the list gets whether it came."""
+    came: list[bool] = []
+    real_milp = solve.solve_milp
+
+    def waiting_milp(*args, cancel=None, **kwargs):
+        came.append((for_event or cancel).wait(WAIT_S))
+        return real_milp(*args, cancel=cancel, **kwargs)
+
+    monkeypatch.setattr(solve, "solve_milp", waiting_milp)
+    return came
 
 
 def test_a_deadline_with_an_event_passes_when_the_event_is_set():
@@ -203,3 +226,69 @@ def test_a_schedule_proven_by_the_first_bound_while_the_second_problem_runs_stop
     assert stopped == [True] and time.perf_counter() - started < WAIT_S
     assert not result.interrupted
     assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
+
+
+def test_ejection_moves_run_while_the_milp_is_solved_and_stop_when_it_answers(monkeypatch):
+    """The MILP waits for the ejection search to start: beside it, the search starts at once, and is told to stop as
+    soon as the MILP has answered; the MILP's proof is the answer's."""
+    _first_cover_left_open(monkeypatch)
+    search_started = threading.Event()
+    milp_saw_it = _milp_waits(monkeypatch, search_started)
+    search_deadlines = []
+    real_search = solve.ejection_search
+
+    def search(*args, deadline, **kwargs):
+        search_started.set()
+        search_deadlines.append(deadline)
+        yield from real_search(*args, deadline=deadline, **kwargs)
+
+    monkeypatch.setattr(solve, "ejection_search", search)
+    priced, budget = _block_at_its_floor()
+    phases = []
+    started = time.perf_counter()
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
+                                                 time_limit_s=120),
+                            progress=lambda report: phases.append(report.phase))
+    assert milp_saw_it == [True] and time.perf_counter() - started < WAIT_S
+    assert "ejection search" not in phases and "solving" in phases  # the display shows the MILP's figures
+    [beside] = search_deadlines
+    assert beside.until is not None and beside.until.is_set() and beside.expired()
+    assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
+
+
+def test_a_ctrl_c_while_ejection_moves_run_beside_the_milp_stops_it_and_keeps_the_best_schedule(monkeypatch):
+    """A Ctrl-C lands on the solve's thread while the MILP runs on another (here it waits until told to stop): the
+    MILP is stopped, the solve waits for it, and the best schedule found so far is the answer, marked interrupted."""
+    _first_cover_left_open(monkeypatch)
+    stopped = _milp_waits(monkeypatch)
+    priced, budget = _block_at_its_floor()
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.perf_counter()
+    timer.start()
+    try:
+        result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
+                                                     time_limit_s=120))
+    finally:
+        timer.cancel()
+    assert stopped == [True] and time.perf_counter() - started < 10
+    assert result.interrupted and result.status == "feasible" and result.schedule is not None
+    assert result.report.peak_ram_bytes <= budget
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
+
+
+def test_an_ejection_plan_proven_by_the_bound_while_the_milp_runs_stops_the_milp(monkeypatch):
+    """Where the moves beside the MILP reach a plan within the gap of the bound (here every plan is, by the threshold
+    given), the MILP is stopped rather than waited for, and that plan is the answer."""
+    import math
+
+    _first_cover_left_open(monkeypatch)
+    stopped = _milp_waits(monkeypatch)
+    monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
+    priced, budget = _block_at_its_floor()
+    started = time.perf_counter()
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
+                                                 time_limit_s=120))
+    assert stopped == [True] and time.perf_counter() - started < WAIT_S
+    assert not result.interrupted and result.status == "optimal" and result.schedule.solve.solver == "baseline"
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
