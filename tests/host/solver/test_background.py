@@ -192,10 +192,19 @@ def test_ejection_moves_run_while_the_second_covering_problem_is_solved_and_stop
     assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
 
 
-def test_a_ctrl_c_while_the_second_covering_problem_is_solved_beside_stops_it_and_keeps_the_best_schedule(monkeypatch):
-    """A Ctrl-C lands on the solve's thread while the second covering problem runs on another (here it runs until
-    told to stop): that problem is stopped, the solve waits for it, and the best schedule so far is the answer."""
-    stopped = _second_cover_runs_until_stopped(monkeypatch)
+def _milp_runs_until_stopped(monkeypatch) -> list[bool]:
+    """No second covering problem, and the MILP beside the ejection moves waits until told to stop."""
+    _first_cover_left_open(monkeypatch)
+    return _milp_waits(monkeypatch)
+
+
+@pytest.mark.parametrize("runs_beside", [_second_cover_runs_until_stopped, _milp_runs_until_stopped],
+                         ids=["second covering problem", "MILP"])
+def test_a_ctrl_c_while_a_phase_runs_beside_stops_it_and_keeps_the_best_schedule(monkeypatch, runs_beside):
+    """A Ctrl-C lands on the solve's thread while the second covering problem, or the MILP, runs on another (here it
+    runs until told to stop): that phase is stopped, the solve waits for it, and the best schedule found so far is
+    the answer, marked interrupted."""
+    stopped = runs_beside(monkeypatch)
     priced, budget = _block_at_its_floor()
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     started = time.perf_counter()
@@ -211,21 +220,24 @@ def test_a_ctrl_c_while_the_second_covering_problem_is_solved_beside_stops_it_an
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
 
 
-def test_a_schedule_proven_by_the_first_bound_while_the_second_problem_runs_stops_that_problem(monkeypatch):
-    """Where the ejection moves beside the second covering problem reach a plan within the gap of the bound proven
-    so far (here every plan is, by the threshold given), the second problem is stopped rather than waited for; the
-    solve goes on without its bound and still proves the optimum with the MILP."""
+@pytest.mark.parametrize("runs_beside", [_second_cover_runs_until_stopped, _milp_runs_until_stopped],
+                         ids=["second covering problem", "MILP"])
+def test_a_plan_proven_by_the_bound_while_a_phase_runs_beside_stops_that_phase(monkeypatch, runs_beside):
+    """Where the ejection moves beside the second covering problem, or beside the MILP, reach a plan within the gap
+    of the bound proven so far (here every plan is, by the threshold given), that phase is stopped rather than waited
+    for, and the plan is the answer (past the second problem, the same threshold stops the MILP too)."""
     import math
 
-    stopped = _second_cover_runs_until_stopped(monkeypatch)
+    stopped = runs_beside(monkeypatch)
     monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
     priced, budget = _block_at_its_floor()
     started = time.perf_counter()
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
                                                  time_limit_s=120))
     assert stopped == [True] and time.perf_counter() - started < WAIT_S
-    assert not result.interrupted
-    assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
+    assert not result.interrupted and result.status == "optimal" and result.schedule.solve.solver == "baseline"
+    assert result.objective_j == pytest.approx(0.88173, rel=1e-6)  # the block's cheapest plan is its optimum
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
 
 
 def test_ejection_moves_run_while_the_milp_is_solved_and_stop_when_it_answers(monkeypatch):
@@ -254,41 +266,4 @@ def test_ejection_moves_run_while_the_milp_is_solved_and_stop_when_it_answers(mo
     [beside] = search_deadlines
     assert beside.until is not None and beside.until.is_set() and beside.expired()
     assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
-    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
-
-
-def test_a_ctrl_c_while_ejection_moves_run_beside_the_milp_stops_it_and_keeps_the_best_schedule(monkeypatch):
-    """A Ctrl-C lands on the solve's thread while the MILP runs on another (here it waits until told to stop): the
-    MILP is stopped, the solve waits for it, and the best schedule found so far is the answer, marked interrupted."""
-    _first_cover_left_open(monkeypatch)
-    stopped = _milp_waits(monkeypatch)
-    priced, budget = _block_at_its_floor()
-    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
-    started = time.perf_counter()
-    timer.start()
-    try:
-        result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
-                                                     time_limit_s=120))
-    finally:
-        timer.cancel()
-    assert stopped == [True] and time.perf_counter() - started < 10
-    assert result.interrupted and result.status == "feasible" and result.schedule is not None
-    assert result.report.peak_ram_bytes <= budget
-    assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
-
-
-def test_an_ejection_plan_proven_by_the_bound_while_the_milp_runs_stops_the_milp(monkeypatch):
-    """Where the moves beside the MILP reach a plan within the gap of the bound (here every plan is, by the threshold
-    given), the MILP is stopped rather than waited for, and that plan is the answer."""
-    import math
-
-    _first_cover_left_open(monkeypatch)
-    stopped = _milp_waits(monkeypatch)
-    monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
-    priced, budget = _block_at_its_floor()
-    started = time.perf_counter()
-    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9,
-                                                 time_limit_s=120))
-    assert stopped == [True] and time.perf_counter() - started < WAIT_S
-    assert not result.interrupted and result.status == "optimal" and result.schedule.solve.solver == "baseline"
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
