@@ -248,7 +248,8 @@ class _SpareWorker:
     start (about 0.15 s of 0.25 s for a small solve): the eviction bound's rounds, the MILP, the fleet's solver workers,
     the property tests' thousands of small solves. The spare that takes its place is started as it is taken. A worker
     whose small solve ended on its own waits too (up to _WAITING_WORKERS of them, taken before the spare); any other
-    is ended or killed with its solve. A waiting worker holds about 32 MB (16 MB its own) and ends with this process
+    is ended or killed with its solve. A waiting worker holds 15-18 MB of its own, about 60 MB after a solve near
+    REUSE_MAX_NONZEROS (59.6 MB after one of 180,000 nonzeros), and ends with this process
     (the end of its stdin). They are not shared across a fork (the child starts its own), and one started with
     another interpreter or PYTHONPATH is ended, not used."""
 
