@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from device_agent.errors import UserError
 from device_agent.schedule import Prediction, Schedule, SolveInfo
@@ -554,7 +554,7 @@ def _solve_milp(priced, formulation, options: SolveOptions, runtime_budget_s: fl
             mip_gap=options.mip_gap,
             threads=options.threads,
             start=attempt_start,
-            progress=progress,
+            progress=_on_solve_clock(progress, started),
             presolve=presolve,
             deadline_at=deadline.at,
             cancel=cancel,
@@ -615,6 +615,14 @@ def _lower_bound_j(floor_bound_j: float, solver_bound_j: float | None) -> float:
 
 def _relative_gap(energy_j: float, bound_j: float) -> float:
     return max(0.0, (energy_j - bound_j) / max(1e-12, abs(energy_j)))
+
+
+def _on_solve_clock(progress: ProgressCallback | None, started: float) -> ProgressCallback | None:
+    """The backend's reports, timed from its own start, with the solve's elapsed time instead (as the phases are): the
+    progress display's clock does not jump back when the MILP starts reporting."""
+    if progress is None:
+        return None
+    return lambda report: progress(replace(report, elapsed_s=time.perf_counter() - started))
 
 
 def _report_phase(progress: ProgressCallback | None, started: float, phase: str) -> None:

@@ -45,8 +45,8 @@ _SETUP_SHARE_OF_TIME_LEFT = 0.25
 # a small solve (the covering problems' rounds, the property tests' thousands of solves of 3-8 layer graphs), and
 # nothing on a large one, whose memory is then given back with its process.
 REUSE_MAX_NONZEROS = 200_000
-# Workers kept waiting after their solve (a solve runs at most two at once: a covering problem beside the MILP or the
-# baselines), besides the spare started ahead.
+# Workers kept waiting after their solve, besides the spare started ahead: one solve runs one HiGHS model at a time,
+# and a process may run a few solves at once (the fleet's --solver-workers threads).
 _WAITING_WORKERS = 2
 
 
@@ -249,9 +249,9 @@ class _SpareWorker:
     the property tests' thousands of small solves. The spare that takes its place is started as it is taken. A worker
     whose small solve ended on its own waits too (up to _WAITING_WORKERS of them, taken before the spare); any other
     is ended or killed with its solve. A waiting worker holds 15-18 MB of its own, about 60 MB after a solve near
-    REUSE_MAX_NONZEROS (59.6 MB after one of 180,000 nonzeros), and ends with this process
-    (the end of its stdin). They are not shared across a fork (the child starts its own), and one started with
-    another interpreter or PYTHONPATH is ended, not used."""
+    REUSE_MAX_NONZEROS (59.6-63.5 MB after one of 180,000 nonzeros: glibc keeps the freed heap, and a gc.collect()
+    there gives none of it back), and ends with this process (the end of its stdin). They are not shared across a fork
+    (the child starts its own), and one started with another interpreter or PYTHONPATH is ended, not used."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

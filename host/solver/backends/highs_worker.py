@@ -110,9 +110,6 @@ def _solve(request: dict, out: int) -> bool:
     result = highs_result(highs, user, time.perf_counter() - started)
     waits = (not cancelled and result.status in ("optimal", "infeasible")
              and problem.num_nonzeros <= REUSE_MAX_NONZEROS)
-    highs.cbMipInterrupt.unsubscribe(report)
-    highs.cbMipImprovingSolution.unsubscribe(improved)
-    del highs
     send(("result", dataclasses.asdict(result), waits))
     return waits
 

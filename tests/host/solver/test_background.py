@@ -267,3 +267,15 @@ def test_ejection_moves_run_while_the_milp_is_solved_and_stop_when_it_answers(mo
     assert beside.until is not None and beside.until.is_set() and beside.expired()
     assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("poet-")]
+
+
+def test_the_milps_reports_are_timed_on_the_solves_clock():
+    """The MILP's worker times its reports from the MILP's own start; the solve passes them on timed from its own, as
+    its phases are, so the progress display's clock never jumps back when the MILP starts reporting."""
+    priced, budget = _block_at_its_floor()
+    reports = []
+    solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, mip_gap=1e-9, time_limit_s=120),
+                   progress=lambda report: reports.append((report.phase, report.elapsed_s)))
+    assert sum(phase == "solving" for phase, _ in reports) >= 2, reports  # the phase, and the MILP's own reports
+    times = [elapsed for _, elapsed in reports]
+    assert times == sorted(times), reports
