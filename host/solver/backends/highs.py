@@ -118,6 +118,7 @@ class _Worker:
         self.bound: float | None = None
         self.result: dict | None = None
         self.waits = False  # the worker said it waits for another solve after its result
+        self.killed = False
         try:
             try:
                 send_frame(self.process.stdin.fileno(), request)
@@ -159,10 +160,12 @@ class _Worker:
             self._kill()
         reader.join()
         code = None
-        if self.result is not None and self.waits and cancelled_at is None:
+        if self.result is not None and self.waits and not self.killed:
+            # It waits for another request, even where a cancel crossed its result (it skips that cancel): waiting
+            # for it to exit here would wait forever.
             _SPARE.give_back(self.process)
         else:
-            code = self.process.wait()
+            code = _exit_code(self.process)
         solve_s = time.perf_counter() - started
         if self.result is not None:
             result = MilpResult(**{**self.result, "solve_s": solve_s})
@@ -215,6 +218,7 @@ class _Worker:
     def _kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
+            self.killed = True
 
 
 def _worker_env() -> dict[str, str]:
@@ -232,14 +236,20 @@ def _start_worker(env: dict[str, str]) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
 
+def _exit_code(process: subprocess.Popen) -> int:
+    """The exit code of a worker that ends on its own after its answer (or was killed), killing it if it has not
+    ended within _KILL_GRACE_S: no solve waits for a worker forever."""
+    try:
+        return process.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
 def _end_worker(process: subprocess.Popen) -> None:
     """End a worker waiting for its request (the end of its stdin), killing it if it does not go at once."""
     process.stdin.close()
-    try:
-        process.wait(timeout=_KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    _exit_code(process)
     process.stdout.close()
 
 

@@ -141,6 +141,46 @@ def test_a_worker_stopped_at_its_limit_or_given_a_large_model_ends_with_its_solv
     assert gone not in waiting_worker_pids()
 
 
+def test_a_cancel_that_crosses_a_small_solves_result_leaves_its_worker_waiting_and_the_solver_answers(monkeypatch):
+    """The solver asks the worker to stop (the deadline, Ctrl-C, a proven plan beside it) just as HiGHS ends on its
+    own: the worker has sent its result and waits for another request, skipping that cancel. The solver answered,
+    kept the worker, and the next solve on it answers; it once waited for that worker to exit, forever (a CI run
+    stopped at its limit)."""
+    import select
+    import threading
+    import time
+
+    from host.solver.backends import highs
+
+    highs.solve_highs(_knapsack(), mip_gap=0.0)  # a worker that solved waits: the next solve takes it
+    request = {"problem": _knapsack(), "mip_gap": 0.0, "threads": None, "presolve": True, "start": None,
+               "time_limit_s": None, "extra_options": {}}
+    worker = highs._Worker(request)
+    assert select.select([worker.process.stdout], [], [], 30)[0], "the worker sent nothing"
+    time.sleep(0.2)  # its result is in the pipe, unread
+    read = highs._Worker._read
+
+    def read_late(self, *args):  # the reader is scheduled after the solver's first look at the cancel
+        time.sleep(3 * highs._WAIT_PERIOD_S)
+        read(self, *args)
+
+    monkeypatch.setattr(highs._Worker, "_read", read_late)
+    cancel = threading.Event()
+    cancel.set()
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(worker.wait(time.perf_counter(), None, None, cancel)),
+                               daemon=True)
+    waiting.start()
+    waiting.join(timeout=20)
+    assert answers, "the solver waited for a worker that waits for its next request"
+    [result] = answers
+    assert result.status == "optimal" and result.objective == pytest.approx(-6.0) and result.interrupted
+    assert worker.process.pid in highs.waiting_worker_pids()
+    monkeypatch.undo()
+    following = highs.solve_highs(_knapsack(), mip_gap=0.0)
+    assert following.status == "optimal" and not following.interrupted
+
+
 def test_waiting_workers_killed_while_they_waited_are_replaced_and_the_solve_answers():
     import os
     import signal
