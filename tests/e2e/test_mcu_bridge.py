@@ -10,7 +10,6 @@ plain PyTorch training of the same program on the bridge's host (max relative di
 
 from __future__ import annotations
 
-import re
 import shutil
 import socket
 import subprocess
@@ -147,7 +146,11 @@ def test_board_reset_mid_job_restarts_the_job_cleanly(fleet, qemu):
     bridge.wait_for(rf"run {run_id} .*starting the job again from its initial weights", timeout_s=10)
     check_done(fleet, run_id, steps)
     print(f"\nafter the reset (batch 32): {link_figures(bridge, run_id)}")
-    assert len(re.findall(r"starting the job again", bridge.log())) == 1, bridge.log()
+    restarts = [line for line in bridge.log().splitlines() if "starting the job again" in line]
+    # The reset restarts the job once; a link that stalls for its whole ACK timeout after it (QEMU starved of the CPU
+    # on a loaded machine: 41 transmissions over 12.3 s once) restarts it again, as it should, and says why.
+    assert len([line for line in restarts if "BoardResetError" in line]) == 1, bridge.log()
+    assert all("BoardResetError" in line or "LinkTimeoutError" in line for line in restarts), bridge.log()
     assert not bridge.has(r"Traceback|internal error"), bridge.log()
 
 
