@@ -235,10 +235,10 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             searched: list[BaselineResult] = []  # starts the ejection search has ended its passes from, and its plans
             # Not proven yet, and the first covering problem closed: the one with second restorations, on another
             # thread, while this one runs ejection moves from the cheapest greedy until it answers.
-            if (offers and cover is not None and cover.closed and options.remat
+            stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s)
+            if (offers and cover is not None and cover.closed and options.remat and stronger_time_s > 0
                     and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
                 _report_phase(progress, started, "stronger lower bound")
-                stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s)
                 stronger_task = Background(lambda cancel: eviction_cover(
                     priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=stronger_time_s,
                     second_restorations=True, cancel=cancel, **cover_options), "poet-stronger-bound")
@@ -405,12 +405,15 @@ def _stop(background: list[Background]) -> None:
 
 def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: float, reserve_s: float) -> float:
     """The second covering problem's time: at least _STRONGER_BOUND_TIMES the first's, and with a time limit all
-    the time left but what its greedies, the ejection moves and the answer need."""
+    the time left but what its greedies, the ejection moves and the answer need, and never more than is left before
+    the answer's reserve (at most 0: no time for it)."""
     least_s = _STRONGER_BOUND_TIMES * bound_time_s
     if options.time_limit_s is None:
         return least_s
+    elapsed_s = time.perf_counter() - started
     ends_at_s = (1 - _EJECTION_SHARE) * options.time_limit_s - reserve_s
-    return max(least_s, ends_at_s - (time.perf_counter() - started))
+    # Never past the time limit's work deadline: the baselines may have run until one fitted, near the limit.
+    return min(max(least_s, ends_at_s - elapsed_s), options.time_limit_s - reserve_s - elapsed_s)
 
 
 def _greedies_from(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float,

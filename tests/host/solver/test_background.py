@@ -42,15 +42,18 @@ def _block_at_its_floor():
     return priced, minimum_ram_bytes(priced)
 
 
-def _second_cover_runs_until_stopped(monkeypatch) -> list[bool]:
+def _second_cover_runs_until_stopped(monkeypatch, entered: threading.Event | None = None) -> list[bool]:
     """The second covering problem replaced by one that runs until told to stop (up to WAIT_S), then ends as
-    eviction_cover does when its HiGHS solve is cancelled; the list gets whether it was told."""
+    eviction_cover does when its HiGHS solve is cancelled; the list gets whether it was told (``entered`` is set as it
+    starts)."""
     stopped: list[bool] = []
     real_cover = solve.eviction_cover
 
     def second_cover_runs_until_stopped(*args, second_restorations=False, cancel=None, **kwargs):
         if not second_restorations:
             return real_cover(*args, cancel=cancel, **kwargs)
+        if entered is not None:
+            entered.set()
         stopped.append(cancel.wait(WAIT_S))
         raise KeyboardInterrupt
 
@@ -66,13 +69,16 @@ def _first_cover_left_open(monkeypatch) -> None:
                         lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
 
 
-def _milp_waits(monkeypatch, for_event: threading.Event | None = None) -> list[bool]:
+def _milp_waits(monkeypatch, for_event: threading.Event | None = None,
+                entered: threading.Event | None = None) -> list[bool]:
     """The MILP's backend call waits (up to WAIT_S) for ``for_event``, or for its cancel when none is given, then
-    solves; the list gets whether it came."""
+    solves; the list gets whether it came (``entered`` is set as the call starts)."""
     came: list[bool] = []
     real_milp = solve.solve_milp
 
     def waiting_milp(*args, cancel=None, **kwargs):
+        if entered is not None:
+            entered.set()
         came.append((for_event or cancel).wait(WAIT_S))
         return real_milp(*args, cancel=cancel, **kwargs)
 
@@ -192,10 +198,10 @@ def test_ejection_moves_run_while_the_second_covering_problem_is_solved_and_stop
     assert result.status == "optimal" and result.objective_j == pytest.approx(0.88173, rel=1e-6)
 
 
-def _milp_runs_until_stopped(monkeypatch) -> list[bool]:
+def _milp_runs_until_stopped(monkeypatch, entered: threading.Event | None = None) -> list[bool]:
     """No second covering problem, and the MILP beside the ejection moves waits until told to stop."""
     _first_cover_left_open(monkeypatch)
-    return _milp_waits(monkeypatch)
+    return _milp_waits(monkeypatch, entered=entered)
 
 
 @pytest.mark.parametrize("runs_beside", [_second_cover_runs_until_stopped, _milp_runs_until_stopped],
@@ -228,7 +234,17 @@ def test_a_plan_proven_by_the_bound_while_a_phase_runs_beside_stops_that_phase(m
     for, and the plan is the answer (past the second problem, the same threshold stops the MILP too)."""
     import math
 
-    stopped = runs_beside(monkeypatch)
+    # The moves wait until that phase runs: their first plan can otherwise come before the MILP's model is built,
+    # which stops it before its solve (a race the test lost one time in three).
+    entered = threading.Event()
+    stopped = runs_beside(monkeypatch, entered)
+    real_search = solve.ejection_search
+
+    def search_once_the_phase_runs(*args, **kwargs):
+        assert entered.wait(WAIT_S), "the phase beside never started"
+        yield from real_search(*args, **kwargs)
+
+    monkeypatch.setattr(solve, "ejection_search", search_once_the_phase_runs)
     monkeypatch.setattr(solve, "_proven_optimal_below_j", lambda options, bound_j: math.inf)
     priced, budget = _block_at_its_floor()
     started = time.perf_counter()

@@ -127,3 +127,20 @@ def test_a_solver_that_stops_answering_is_stopped_at_the_limit_with_its_incumben
     replayed = validate_schedule(result.schedule, priced)
     assert replayed.peak_ram_bytes <= budget
     assert replayed.energy_j == pytest.approx(result.objective_j, rel=1e-12)
+
+
+def test_the_second_covering_problem_never_gets_time_past_the_limit():
+    """Its time is at least 1.5 times the first's; where the baselines ran until one fitted, near the limit, that
+    least would have run past it (1.5 times 20 s beyond a 120 s limit): it is capped by what is left, and at the limit
+    nothing is left for it."""
+    from host.solver.solve import _stronger_bound_time_s
+
+    options = SolveOptions(ram_budget_bytes=1.0, time_limit_s=120.0)
+    reserve_s = 1.0
+    fresh = _stronger_bound_time_s(options, 20.0, time.perf_counter() - 40.0, reserve_s)
+    assert fresh == pytest.approx(0.75 * 120 - reserve_s - 40.0, abs=0.1)  # until the ejection moves' share
+    late = _stronger_bound_time_s(options, 20.0, time.perf_counter() - 100.0, reserve_s)
+    assert late == pytest.approx(120 - reserve_s - 100.0, abs=0.1)  # not 1.5 * 20 s
+    assert _stronger_bound_time_s(options, 20.0, time.perf_counter() - 119.5, reserve_s) <= 0
+    unlimited = SolveOptions(ram_budget_bytes=1.0, time_limit_s=None)
+    assert _stronger_bound_time_s(unlimited, 20.0, time.perf_counter() - 1000.0, reserve_s) == 30.0
