@@ -32,6 +32,8 @@ GREEDY = "greedy"
 GREEDY_FROM_COVER = "greedy from the eviction cover"
 # The greedy from the covering problem with second restorations (host.solver.eviction_bound), where it differs.
 GREEDY_FROM_STRONGER_COVER = "greedy from the eviction cover with second restorations"
+# ... from the first covering problem's cover, solved again with more time where it did not close in its own
+GREEDY_FROM_RESUMED_COVER = "greedy from the resumed eviction cover"
 # The cheapest greedy's plan improved by ejection moves (host.solver.policy_search.ejection_search).
 EJECTION_SEARCH = "ejection search from the cheapest greedy"
 

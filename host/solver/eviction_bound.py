@@ -131,6 +131,9 @@ class EvictionCover:
     # round cut at 75 s: the greedy from it 0.0229046 J, the ejection search 0.0222054 J, where the closed round's
     # led to 0.0225106 J.
     unclosed_round: EvictionCover | None = None
+    # The first round's columns as HiGHS returned them, where it did not close: a start for solving the same problem
+    # again with more time (eviction_cover's ``resume``).
+    solution: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def start(self, size: int) -> GreedyStart:
         """The evictions as a start for the greedy (host.solver.policy_search): one policy per node (paging
@@ -253,8 +256,12 @@ def eviction_bound_j(priced: PricedGraph, ram_budget_bytes: float, runtime_budge
 def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_s: float | None, *,
                    remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
                    time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S,
-                   second_restorations: bool = False, cancel: threading.Event | None = None) -> EvictionCover | None:
+                   second_restorations: bool = False, cancel: threading.Event | None = None,
+                   resume: EvictionCover | None = None) -> EvictionCover | None:
     """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`.
+
+    ``resume``: an unclosed cover of the same problem (same graph, budgets and options, no second restorations), whose
+    best cover starts HiGHS this time; the bound returned is at least the one it proved.
 
     ``cancel`` set (the solve stopped it from another thread) stops it as Ctrl-C does: KeyboardInterrupt.
 
@@ -572,14 +579,19 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
         round_s = max(0.1, deadline_at - time.perf_counter())
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt
-        result = solve_highs(model.problem, time_limit_s=round_s, mip_gap=1e-9, threads=1, presolve=True,
+        start = None if resume is None or active else resume.solution
+        if start is not None and len(start) != len(model.problem.col_cost):
+            start = None  # not a cover of this problem
+        result = solve_highs(model.problem, time_limit_s=round_s, mip_gap=1e-9, threads=1, presolve=True, start=start,
                              deadline_at=time.perf_counter() + round_s, cancel=cancel)
         if result.interrupted:
             raise KeyboardInterrupt  # the user stopped the solve while its bound was proven: stop as in any phase
         if result.status == "infeasible" or result.bound is None:
             return best
         extra_j = max(0.0, float(result.bound)) * cost_scale_j * (1 - _BOUND_SAFETY_RTOL)
-        cover = EvictionCover(compute_once_j + extra_j, closed=is_closed(result))
+        cover = EvictionCover(max(compute_once_j + extra_j, resume.bound_j if resume else 0.0), closed=is_closed(result))
+        if not active and not cover.closed:
+            cover.solution = result.x
         if result.x is not None:
             cover.recomputed = {i for col, i in model.recompute_cols.items() if result.x[col] > 0.5}
             cover.paged = {i for col, i in model.page_in_cols.items() if result.x[col] > 0.5}

@@ -14,6 +14,7 @@ from host.solver.backends import solve_milp
 from host.solver.background import Background
 from host.solver.baseline_pricing import (
     EJECTION_SEARCH,
+    GREEDY_FROM_RESUMED_COVER,
     GREEDY_FROM_STRONGER_COVER,
     KEEP_ALL,
     BaselineResult,
@@ -233,15 +234,19 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
             cover_start = greedy_start(cover)[0]
             searched: list[BaselineResult] = []  # starts the ejection search has ended its passes from, and its plans
-            # Not proven yet, and the first covering problem closed: the one with second restorations, on another
-            # thread, while this one runs ejection moves from the cheapest greedy until it answers.
+            # Not proven yet: on another thread, the one with second restorations where the first covering problem
+            # closed, or the first again, from its best cover, where it did not (resnet50 at 30% on m4 closes in 18-39 s
+            # of its 20: its cover, unclosed, led to 47.18 J, closed to 45.52 J); this thread runs ejection moves from
+            # the cheapest greedy until it answers.
             stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s)
-            if (offers and cover is not None and cover.closed and options.remat and stronger_time_s > 0
+            second_restorations = cover is not None and cover.closed
+            if (offers and cover is not None and (options.remat or not second_restorations) and stronger_time_s > 0
                     and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
-                _report_phase(progress, started, "stronger lower bound")
+                _report_phase(progress, started, "stronger lower bound" if second_restorations else "lower bound, resumed")
                 stronger_task = Background(lambda cancel: eviction_cover(
                     priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=stronger_time_s,
-                    second_restorations=True, cancel=cancel, **cover_options), "poet-stronger-bound")
+                    second_restorations=second_restorations, cancel=cancel,
+                    resume=None if second_restorations else cover, **cover_options), "poet-stronger-bound")
                 background.append(stronger_task)
                 enough_j = _proven_optimal_below_j(options, floor_bound_j)
                 offers = _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s,
@@ -261,7 +266,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                     # cover of a round cut short by its deadline (a start only). The cheapest is kept.
                     starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
                     if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
-                        offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts)
+                        offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts,
+                                                GREEDY_FROM_STRONGER_COVER if second_restorations
+                                                else GREEDY_FROM_RESUMED_COVER)
             # With HiGHS, which stops on an event, the ejection moves from the cheapest plan run beside the MILP
             # instead (below); the PuLP backends are not stopped so, and get them first.
             if (offers and options.solver != "highs"
@@ -417,9 +424,9 @@ def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: 
 
 
 def _greedies_from(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float,
-                   baselines: list[BaselineResult], starts: list[GreedyStart]) -> list[BaselineResult]:
-    """The greedy from each start (the second covering problem's rounds), the cheapest kept in ``baselines`` (changed
-    in place, so that Ctrl-C keeps it): the offers. The warm start's share may be spent by now: these greedies get the
+                   baselines: list[BaselineResult], starts: list[GreedyStart], name: str) -> list[BaselineResult]:
+    """The greedy from each start (the second covering problem's rounds), named ``name``, the cheapest kept in
+    ``baselines`` (changed in place, so that Ctrl-C keeps it): the offers. The warm start's share may be spent by now: these greedies get the
     bound's share again, in equal parts, so that the first does not leave the others no time."""
     greedies_started = time.perf_counter()
     found: list[BaselineResult] = []
@@ -428,7 +435,7 @@ def _greedies_from(priced: PricedGraph, options: SolveOptions, runtime_budget_s:
         greedy_deadline = Deadline(None if options.time_limit_s is None else
                                    _BOUND_SHARE * options.time_limit_s * number / len(starts), greedies_started)
         found += price_greedy(priced, options.ram_budget_bytes, runtime_budget_s, options.remat, options.paging,
-                              options.paging_in_runtime, greedy_deadline, start, GREEDY_FROM_STRONGER_COVER)
+                              options.paging_in_runtime, greedy_deadline, start, name)
         baselines[:] = [row for row in baselines if not any(row is old for old in kept)]
         kept = (cheapest_feasible(found) or found)[:1]
         baselines += kept

@@ -62,11 +62,12 @@ def _second_cover_runs_until_stopped(monkeypatch, entered: threading.Event | Non
 
 
 def _first_cover_left_open(monkeypatch) -> None:
-    """The first covering problem reported as not closed (as if cut short): no second one runs, so the ejection moves
-    from the greedy run beside the MILP."""
+    """The first covering problem reported as not closed (as if cut short), and no time left to solve it again: no
+    other covering problem runs, so the ejection moves from the greedy run beside the MILP."""
     real_cover = solve.eviction_cover
     monkeypatch.setattr(solve, "eviction_cover",
                         lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
+    monkeypatch.setattr(solve, "_stronger_bound_time_s", lambda *args: 0.0)
 
 
 def _milp_waits(monkeypatch, for_event: threading.Event | None = None,

@@ -1,10 +1,18 @@
 """The eviction bound: never above a schedule the MILP proves optimal, and above compute-once where the budget bites."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from host.solver.baseline_pricing import GREEDY, GREEDY_FROM_COVER, GREEDY_FROM_STRONGER_COVER, price_baselines
+from host.solver.baseline_pricing import (
+    GREEDY,
+    GREEDY_FROM_COVER,
+    GREEDY_FROM_RESUMED_COVER,
+    GREEDY_FROM_STRONGER_COVER,
+    price_baselines,
+)
 from host.solver.eviction_bound import CLOSED_RTOL, eviction_bound_j, eviction_cover, is_closed, stage_excess_bytes
 from host.solver.milp import MilpResult
 from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_bytes, solve_schedule
@@ -301,7 +309,6 @@ def test_a_round_cut_short_by_its_deadline_starts_a_greedy_and_its_cover_is_no_b
     below its cover, as HiGHS returns at a deadline): that round's cover is a start of its own, after the closed
     round's, and the bound stays the closed round's. The solve runs a greedy from each, and keeps the cheaper (the
     first round's, 0.16533 J; the cut round's lands at 1.17753 J)."""
-    import dataclasses
 
     import host.solver.backends.highs as highs
     from host.solver import solve
@@ -375,6 +382,72 @@ def test_a_cover_cut_short_within_its_closing_tolerance_counts_as_closed():
     assert is_closed(result("feasible", 0.9743873, 0.9743435))
     assert not is_closed(result("feasible", 1.0, 1.0 - 2 * CLOSED_RTOL))
     assert not is_closed(result("timeout", None, None)) and not is_closed(result("feasible", None, 0.5))
+
+
+def _first_cover_cut_short(monkeypatch, starts: list) -> None:
+    """HiGHS stops the first covering problem it is given at its first improving cover (a real limit of its own, as
+    its time limit stops resnet50 at 30% on m4: a cover far above its bound); ``starts`` collects the start each
+    covering problem is given."""
+    import host.solver.backends.highs as highs
+
+    solve_highs = highs.solve_highs
+
+    def first_cut_short(problem, **options):
+        if problem.name != "eviction bound":
+            return solve_highs(problem, **options)
+        starts.append(options.get("start"))
+        if len(starts) == 1:
+            monkeypatch.setitem(highs._EXTRA_OPTIONS, "mip_max_improving_sols", 1)
+        try:
+            return solve_highs(problem, **options)
+        finally:
+            highs._EXTRA_OPTIONS.pop("mip_max_improving_sols", None)
+
+    monkeypatch.setattr(highs, "solve_highs", first_cut_short)
+
+
+def _resnet18_cifar_at_40_percent_on_jetsontx2():
+    from host.costs import price_graph
+    from host.run.sources import ModelSource, load_platform
+
+    priced = price_graph(ModelSource("resnet18_cifar").resolve().graph, load_platform("jetsontx2"))
+    return priced, 0.4 * no_remat_peak_bytes(priced), 1.2 * priced.base_runtime_s
+
+
+def test_a_cover_cut_short_is_resumed_from_its_best_cover_and_closes_at_the_uncut_bound(monkeypatch):
+    """resnet18_cifar at 40% on jetsontx2: cut short, the first problem proves 0.51284 J with a cover far above it;
+    resumed, HiGHS starts from that cover and closes at the bound of the problem solved whole (0.51291 J)."""
+    priced, budget, runtime = _resnet18_cifar_at_40_percent_on_jetsontx2()
+    whole = eviction_cover(priced, budget, runtime)
+    starts: list = []
+    _first_cover_cut_short(monkeypatch, starts)
+    cut = eviction_cover(priced, budget, runtime)
+    assert not cut.closed and cut.solution is not None and cut.bound_j < whole.bound_j * (1 - 1e-5)
+    resumed = eviction_cover(priced, budget, runtime, resume=cut)
+    assert starts[0] is None and starts[1] is cut.solution
+    assert resumed.closed and resumed.solution is None
+    assert resumed.bound_j == pytest.approx(whole.bound_j, rel=1e-7)
+    # A resumed problem that proves less than the cover it resumes keeps that cover's bound.
+    higher = dataclasses.replace(cut, bound_j=whole.bound_j * 1.01)
+    assert eviction_cover(priced, budget, runtime, resume=higher).bound_j == higher.bound_j
+
+
+@pytest.mark.slow  # ~25 s: a 20 s solve
+def test_a_solve_whose_first_cover_did_not_close_resumes_it_and_starts_a_greedy_from_its_cover(monkeypatch):
+    """The first covering problem cut short: the solve solves it again from its best cover beside the ejection moves
+    (instead of the second problem, which needs a closed first), proves the uncut problem's bound, and runs a greedy
+    from the resumed cover's evictions."""
+    priced, budget, runtime = _resnet18_cifar_at_40_percent_on_jetsontx2()
+    whole = eviction_cover(priced, budget, runtime)
+    starts: list = []
+    _first_cover_cut_short(monkeypatch, starts)
+    phases: list[str] = []
+    result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=1.2, time_limit_s=20),
+                            progress=lambda report: phases.append(report.phase))
+    assert "lower bound, resumed" in phases and "stronger lower bound" not in phases
+    assert len(starts) == 2 and starts[1] is not None  # the first problem, then that problem from its cover
+    assert result.bound_j >= whole.bound_j * (1 - RTOL)
+    assert any(row.name == GREEDY_FROM_RESUMED_COVER and row.feasible for row in result.baselines)
 
 
 def test_a_recomputed_input_of_a_recomputation_needs_its_own_inputs_in_turn():
