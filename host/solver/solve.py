@@ -234,41 +234,49 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             floor_bound_j = _lower_bound_j(floor_bound_j, None if cover is None else cover.bound_j)
             cover_start = greedy_start(cover)[0]
             searched: list[BaselineResult] = []  # starts the ejection search has ended its passes from, and its plans
-            # Not proven yet: on another thread, the one with second restorations where the first covering problem
-            # closed, or the first again, from its best cover, where it did not (resnet50 at 30% on m4 closes in 18-39 s
-            # of its 20: its cover, unclosed, led to 47.18 J, closed to 45.52 J); this thread runs ejection moves from
-            # the cheapest greedy until it answers.
-            stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s)
-            second_restorations = cover is not None and cover.closed
-            if (offers and cover is not None and (options.remat or not second_restorations) and stronger_time_s > 0
-                    and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
+            tried_starts = [cover_start]  # starts a greedy has run from
+            # Not proven yet: more covering problems, each on another thread while this one runs ejection moves from the
+            # cheapest greedy until it answers. Where the first did not close in its share, the first again, from its best
+            # cover (resnet50 at 30% on m4 closes in 18-39 s of its 20: its cover unclosed led to 47.18 J, closed to
+            # 45.52 J); where it closed, or closed so and time is left, the one with second restorations.
+            bound_phases = [] if cover is None else [True] if cover.closed else [False, True]
+            for second_restorations in bound_phases:
+                stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s,
+                                                         after_resumed=second_restorations and not cover.closed)
+                if not (offers and (options.remat or not second_restorations) and stronger_time_s > 0
+                        and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap):
+                    break
                 _report_phase(progress, started, "stronger lower bound" if second_restorations else "lower bound, resumed")
-                stronger_task = Background(lambda cancel: eviction_cover(
-                    priced, options.ram_budget_bytes, runtime_budget_s, time_limit_s=stronger_time_s,
-                    second_restorations=second_restorations, cancel=cancel,
-                    resume=None if second_restorations else cover, **cover_options), "poet-stronger-bound")
+                stronger_task = Background(lambda cancel, second_restorations=second_restorations, time_s=stronger_time_s:
+                                           eviction_cover(priced, options.ram_budget_bytes, runtime_budget_s,
+                                                          time_limit_s=time_s, second_restorations=second_restorations,
+                                                          cancel=cancel, resume=None if second_restorations else cover,
+                                                          **cover_options), "poet-stronger-bound")
                 background.append(stronger_task)
                 enough_j = _proven_optimal_below_j(options, floor_bound_j)
                 offers = _search_ejections(priced, options, runtime_budget_s, baselines, searched, started, reserve_s,
                                            progress, Deadline(stronger_time_s, until=stronger_task.finished), enough_j)
                 if enough_j is not None and offers[0].energy_j <= enough_j:
-                    # Proven by the first bound already: the second problem is stopped, not waited for (hf_bert at
-                    # 45% on m4, 60 s limit: optimal at 19.6-27.9 s, where waiting for it took 44.9 s).
+                    # Proven by the bound already: the covering problem is stopped, not waited for (hf_bert at 45% on
+                    # m4, 60 s limit: optimal at 19.6-27.9 s, where waiting for the second took 44.9 s).
                     stronger_task.stop()
-                    stronger = None
-                else:
-                    stronger = stronger_task.result()
-                if stronger is not None:
-                    floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
-                    # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
-                    # bound is no higher: covers of equal cost differ, and on hf_bert at 45% on m4 this one's greedy
-                    # meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. So does the best
-                    # cover of a round cut short by its deadline (a start only). The cheapest is kept.
-                    starts = [start for start in stronger.starts(priced.graph.size) if start != cover_start]
-                    if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
-                        offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts,
-                                                GREEDY_FROM_STRONGER_COVER if second_restorations
-                                                else GREEDY_FROM_RESUMED_COVER)
+                    break
+                stronger = stronger_task.result()
+                if stronger is None:
+                    break
+                floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
+                # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
+                # bound is no higher: covers of equal cost differ, and on hf_bert at 45% on m4 the second problem's
+                # greedy meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. So does the best
+                # cover of a round cut short by its deadline (a start only). The cheapest is kept.
+                starts = [start for start in stronger.starts(priced.graph.size) if start not in tried_starts]
+                tried_starts += starts
+                if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
+                    offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts,
+                                            GREEDY_FROM_STRONGER_COVER if second_restorations
+                                            else GREEDY_FROM_RESUMED_COVER)
+                if not stronger.closed:
+                    break  # the second problem needs the first closed
             # With HiGHS, which stops on an event, the ejection moves from the cheapest plan run beside the MILP
             # instead (below); the PuLP backends are not stopped so, and get them first.
             if (offers and options.solver != "highs"
@@ -410,15 +418,19 @@ def _stop(background: list[Background]) -> None:
         task.stop()
 
 
-def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: float, reserve_s: float) -> float:
-    """The second covering problem's time: at least _STRONGER_BOUND_TIMES the first's, and with a time limit all
-    the time left but what its greedies, the ejection moves and the answer need, and never more than is left before
-    the answer's reserve (at most 0: no time for it)."""
+def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: float, reserve_s: float,
+                           after_resumed: bool = False) -> float:
+    """The time of a covering problem after the first: at least _STRONGER_BOUND_TIMES the first's, and with a time
+    limit all the time left but what its greedies, the ejection moves and the answer need, and never more than is left
+    before the answer's reserve (at most 0: no time for it). ``after_resumed``: the first problem was solved again
+    (and closed), and this one runs only where that much is left before its greedies' and the moves' share."""
     least_s = _STRONGER_BOUND_TIMES * bound_time_s
     if options.time_limit_s is None:
         return least_s
     elapsed_s = time.perf_counter() - started
     ends_at_s = (1 - _EJECTION_SHARE) * options.time_limit_s - reserve_s
+    if after_resumed and ends_at_s - elapsed_s < least_s:
+        return 0.0
     # Never past the time limit's work deadline: the baselines may have run until one fitted, near the limit.
     return min(max(least_s, ends_at_s - elapsed_s), options.time_limit_s - reserve_s - elapsed_s)
 
