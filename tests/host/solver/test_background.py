@@ -67,7 +67,7 @@ def _first_cover_left_open(monkeypatch) -> None:
     real_cover = solve.eviction_cover
     monkeypatch.setattr(solve, "eviction_cover",
                         lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
-    monkeypatch.setattr(solve, "_stronger_bound_time_s", lambda *args: 0.0)
+    monkeypatch.setattr(solve, "_stronger_bound_time_s", lambda *args, **kwargs: 0.0)
 
 
 def _milp_waits(monkeypatch, for_event: threading.Event | None = None,
