@@ -1,7 +1,6 @@
 """Phases of a solve on a thread of their own: the covering problems' HiGHS workers on one core, the baselines and the
 ejection moves on the other; stopped from the solve's thread (Ctrl-C lands there only), and never left running."""
 
-import dataclasses
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ from host.solver.milp import MilpProblem
 from host.solver.solve import SolveOptions, minimum_ram_bytes, solve_schedule
 
 from .graphs import price_simply, residual_graph
+from .solve_phases import first_cover_left_open
 
 WAIT_S = 60.0  # how long a phase waits for the one that should run beside it (a sequential solve never gets there)
 
@@ -59,15 +59,6 @@ def _second_cover_runs_until_stopped(monkeypatch, entered: threading.Event | Non
 
     monkeypatch.setattr(solve, "eviction_cover", second_cover_runs_until_stopped)
     return stopped
-
-
-def _first_cover_left_open(monkeypatch) -> None:
-    """The first covering problem reported as not closed (as if cut short), and no time left to solve it again: no
-    other covering problem runs, so the ejection moves from the greedy run beside the MILP."""
-    real_cover = solve.eviction_cover
-    monkeypatch.setattr(solve, "eviction_cover",
-                        lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
-    monkeypatch.setattr(solve, "_stronger_bound_time_s", lambda *args, **kwargs: 0.0)
 
 
 def _milp_waits(monkeypatch, for_event: threading.Event | None = None,
@@ -201,7 +192,7 @@ def test_ejection_moves_run_while_the_second_covering_problem_is_solved_and_stop
 
 def _milp_runs_until_stopped(monkeypatch, entered: threading.Event | None = None) -> list[bool]:
     """No second covering problem, and the MILP beside the ejection moves waits until told to stop."""
-    _first_cover_left_open(monkeypatch)
+    first_cover_left_open(monkeypatch)
     return _milp_waits(monkeypatch, entered=entered)
 
 
@@ -260,7 +251,7 @@ def test_a_plan_proven_by_the_bound_while_a_phase_runs_beside_stops_that_phase(m
 def test_ejection_moves_run_while_the_milp_is_solved_and_stop_when_it_answers(monkeypatch):
     """The MILP waits for the ejection search to start: beside it, the search starts at once, and is told to stop as
     soon as the MILP has answered; the MILP's proof is the answer's."""
-    _first_cover_left_open(monkeypatch)
+    first_cover_left_open(monkeypatch)
     search_started = threading.Event()
     milp_saw_it = _milp_waits(monkeypatch, search_started)
     search_deadlines = []

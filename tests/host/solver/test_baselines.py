@@ -1,6 +1,5 @@
 """The baselines a user would pick instead of POET: priced by the validator's replay, and never beaten by the answer."""
 
-import dataclasses
 import math
 
 import pytest
@@ -23,6 +22,7 @@ from host.solver.solve import SolveOptions, minimum_ram_bytes, no_remat_peak_byt
 from host.solver.validator import validate_schedule
 
 from .graphs import chain_graph, price_simply, random_training_graph, training_graph_from_forward
+from .solve_phases import first_cover_left_open
 
 
 def test_checkpoint_sequential_follows_torch():
@@ -137,11 +137,10 @@ def test_without_a_time_limit_the_ejection_moves_get_a_quarter_of_the_default_on
                                                  time_limit_s=None))
     assert len(limits_s) == 1 and limits_s[0] is not None and 0 < limits_s[0] <= 1.5 * EVICTION_BOUND_TIME_LIMIT_S
     assert result.interrupted and result.schedule is not None
-    # alone (no second covering problem: the first one, as if cut short, did not close; a PuLP backend, which only the
+    # alone (no other covering problem: the first one, as if cut short, did not close, and no time is left to solve it
+    # again; a PuLP backend, which only the
     # solve's own thread can stop, so the moves run before its MILP), a quarter of the default limit
-    real_cover = solve.eviction_cover
-    monkeypatch.setattr(solve, "eviction_cover",
-                        lambda *args, **kwargs: dataclasses.replace(real_cover(*args, **kwargs), closed=False))
+    first_cover_left_open(monkeypatch)
     limits_s.clear()
     result = solve_schedule(priced, SolveOptions(ram_budget_bytes=budget, runtime_factor=10, mip_gap=1e-6,
                                                  time_limit_s=None, solver="cbc"))
