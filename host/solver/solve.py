@@ -237,8 +237,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
             tried_starts = [cover_start]  # starts a greedy has run from
             # Not proven yet: more covering problems, each on another thread while this one runs ejection moves from the
             # cheapest greedy until it answers. Where the first did not close in its share, the first again, from its best
-            # cover (resnet50 at 30% on m4 closes in 18-39 s of its 20: its cover unclosed led to 47.18 J, closed to
-            # 45.52 J); where it closed, or closed so and time is left, the one with second restorations.
+            # cover (resnet50 at 30% on m4 closes in 18-37 s of its 20; given 10 s, the answer was 47.18 J, with it
+            # resumed 45.52 J); then, where the first closed (in its share, or resumed with time left), the one with
+            # second restorations.
             bound_phases = [] if cover is None else [True] if cover.closed else [False, True]
             for second_restorations in bound_phases:
                 stronger_time_s = _stronger_bound_time_s(options, bound_time_s, started, reserve_s,
@@ -437,9 +438,9 @@ def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: 
 
 def _greedies_from(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float,
                    baselines: list[BaselineResult], starts: list[GreedyStart], name: str) -> list[BaselineResult]:
-    """The greedy from each start (the second covering problem's rounds), named ``name``, the cheapest kept in
-    ``baselines`` (changed in place, so that Ctrl-C keeps it): the offers. The warm start's share may be spent by now: these greedies get the
-    bound's share again, in equal parts, so that the first does not leave the others no time."""
+    """The greedy from each start (a later covering problem's rounds), named ``name``, the cheapest kept in
+    ``baselines`` (changed in place, so that Ctrl-C keeps it): the offers. The warm start's share may be spent by now:
+    these greedies get the bound's share again, in equal parts, so that the first does not leave the others no time."""
     greedies_started = time.perf_counter()
     found: list[BaselineResult] = []
     kept: list[BaselineResult] = []
