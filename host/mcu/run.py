@@ -92,6 +92,18 @@ def build_firmware(log: Callable[[str], None] = lambda message: None, build_dir:
     return Path(build_dir or FIRMWARE_DIR / "build") / FIRMWARE_ELF
 
 
+@contextlib.contextmanager
+def _board_log_on_link_error(qemu):
+    """A link error on an emulated board carries the end of QEMU's log (the firmware's console, a fault)."""
+    from device_agent.serial_bridge.link import LinkError
+
+    try:
+        yield
+    except LinkError as error:
+        raise type(error)(f"{error}\nthe emulated board's log ({qemu.log_path}) ends with:\n{qemu.log_tail()}") \
+            from error
+
+
 def _batches(package, steps: int, seed: int):
     """Seeded random batches of the model's input shape and class count (the data never matters to exactness)."""
     generator = torch.Generator().manual_seed(seed)
@@ -136,6 +148,7 @@ def run_mcu(model: Any, *, steps: int, ram_budget: Any, batch_size: int | None =
 
             log("booting the firmware on QEMU (mps2-an386)")
             qemu = stack.enter_context(QemuBoard(elf, flash_dir=work / "flash"))
+            stack.enter_context(_board_log_on_link_error(qemu))
             serial = qemu.serial_url
         link_options: dict[str, Any] = {}
         hello_options: dict[str, Any] = {}

@@ -4,10 +4,12 @@ mps2-an386, its JSON on stdout (progress on stderr), its exit codes."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 
+import psutil
 import pytest
 
-from tests.host.cli.helpers import one_json_object, poet
+from tests.host.cli.helpers import POET, one_json_object, poet, test_env
 
 _TOOLS = ("make", "arm-none-eabi-gcc", "qemu-system-arm", "protoc", "protoc-gen-nanopb")
 needs_toolchain = pytest.mark.skipif(any(shutil.which(t) is None for t in _TOOLS),
@@ -93,3 +95,27 @@ def test_through_a_link_that_corrupts_one_byte_in_a_hundred_training_ends_with_t
     assert lossy["link"]["board"]["crc_errors"] > 0  # the board saw damaged frames too, and asked again
     # a clean link damages nothing; it may still resend a frame whose acknowledgement came late on a busy machine
     assert clean["crc_errors"] == 0 and clean["link"]["board"]["crc_errors"] == 0
+
+
+@pytest.mark.slow  # ~5 s: a QEMU boot
+@needs_toolchain
+def test_a_board_that_dies_mid_run_is_reported_with_the_end_of_its_log():
+    """The emulated board is stopped once the host has its hello: the link error names the line and carries the
+    end of QEMU's log (the firmware's console), so a stalled or faulted board can be told from a slow one."""
+    process = subprocess.Popen([str(POET), "mcu", "run", "--qemu", "--model", TINY, "--ram-budget", "100%",
+                                "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=test_env())
+    stderr_lines = []
+    for line in process.stderr:
+        stderr_lines.append(line)
+        if "solving for" in line:  # the board answered the hello; kill it before the model goes over
+            for child in psutil.Process(process.pid).children(recursive=True):
+                if child.name().startswith("qemu-system"):
+                    child.terminate()
+            break
+    stderr_lines.extend(process.stderr)
+    assert process.wait(timeout=120) == 2
+    stderr = "".join(stderr_lines)
+    assert "socket://127.0.0.1:" in stderr and "the emulated board's log" in stderr, stderr
+    assert "terminating on signal 15" in stderr, stderr  # QEMU's own last words, from the log
+    assert "Traceback" not in stderr
