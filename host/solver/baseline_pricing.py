@@ -36,6 +36,8 @@ GREEDY_FROM_STRONGER_COVER = "greedy from the eviction cover with second restora
 GREEDY_FROM_RESUMED_COVER = "greedy from the resumed eviction cover"
 # The cheapest greedy's plan improved by ejection moves (host.solver.policy_search.ejection_search).
 EJECTION_SEARCH = "ejection search from the cheapest greedy"
+# The MILP's start improved window by window, the rest of it fixed (host.solver.neighbourhoods).
+MILP_NEIGHBOURHOODS = "MILP neighbourhoods from the cheapest plan"
 
 
 @dataclass
