@@ -62,6 +62,14 @@ FRAGMENT_SURVIVAL = 0.5  # fragment_bytes_for: the share of whole frames that mu
 # has read within a millisecond or two; the host's Python side as fast. The floor covers scheduling hiccups.
 LOOPBACK_BYTES_PER_S = 20_000.0
 LOOPBACK_ACK_FLOOR_S = 0.02
+# A DATA that timed out while the peer was sending (its own resends, ACKs of copies) waits this many times longer
+# before the next copy, up to BACKOFF_MAX_FACTOR times the first wait: the peer is alive but slow to drain the line.
+# Resent at a fixed 0.3 s, 4 KB frames to an emulated board on a loaded machine (three busy processes on two cores)
+# queued faster than the board read them: its ACKs for our earlier frames sat behind hundreds of kilobytes of copies,
+# it gave up on its own reply, and stopped acknowledging (6 runs of 6 failed; tests/device_agent/firmware). A peer
+# that sends nothing (dead, or given up) keeps the first wait, so it is found out as fast as before.
+BACKOFF_FACTOR = 2.0
+BACKOFF_MAX_FACTOR = 8.0
 DEFAULT_BAUDRATE = 115200
 UART_BITS_PER_BYTE = 10  # 8N1: a start bit, 8 data bits, a stop bit
 DEFAULT_POLL_S = 0.02  # how long one read may block on a port that cannot be waited on with select
@@ -313,12 +321,13 @@ class _Endpoint:
         # loss, each would resend this frame too, and the next, a cascade). Copies sent on damage seen are not
         # counted: the damaged frame was as likely our DATA as its ACK.
         self._copy_acks_due = self._last_copies - 1
-        wait_s = self.ack_wait_s(len(frame))
+        first_wait_s = wait_s = self.ack_wait_s(len(frame))
         timeouts = early = on_repeat = 0
         try:
             while True:
                 self._resend_now = self._resend_on_repeat = False
                 self._write(frame)
+                heard = self._counts["frames_received"]
                 deadline = time.monotonic() + wait_s
                 while not self._acked and not self._resend_now:
                     remaining_s = deadline - time.monotonic()
@@ -335,6 +344,8 @@ class _Endpoint:
                     self._counts["fast_retransmissions"] += 1
                 else:
                     timeouts += 1
+                    if self._counts["frames_received"] > heard:  # alive, and the line busy: let it drain
+                        wait_s = min(wait_s * BACKOFF_FACTOR, first_wait_s * BACKOFF_MAX_FACTOR)
                 if max(timeouts, early) > self.max_retries:
                     break
                 self._counts["frames_retransmitted"] += 1

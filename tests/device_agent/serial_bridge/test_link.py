@@ -23,6 +23,7 @@ from device_agent.serial_bridge.framing import (
     encode_frame,
 )
 from device_agent.serial_bridge.link import (
+    BACKOFF_MAX_FACTOR,
     DEFAULT_ACK_TIMEOUT_S,
     MIN_FRAGMENT_BYTES,
     BoardLink,
@@ -361,6 +362,45 @@ def test_send_gives_up_naming_the_port_and_what_to_check(pool, host_and_raw_boar
                                                r"after 4 transmissions.*powered"):
         host.send(b"nobody listens")
     assert host.counters.frames_retransmitted == 3
+
+
+def _copy_times(board: RawPeer, seq: int, count: int, resend_reply: bool) -> list[float]:
+    """When the host's first ``count`` copies of DATA ``seq`` arrive; with ``resend_reply`` the board sends its last
+    reply again after each (alive, as a board behind a busy line is, but not acknowledging)."""
+    arrived = []
+    while len(arrived) < count:
+        frame = board.next_frame()
+        if frame.kind == KIND_DATA and frame.seq == seq:
+            arrived.append(time.monotonic())
+            if resend_reply:
+                board.send(KIND_DATA, 0, SESSION, b"board info")
+    return arrived
+
+
+def test_a_peer_that_is_heard_but_does_not_acknowledge_gets_longer_waits_and_a_silent_one_does_not():
+    """A board whose line is congested goes on resending its own frames while ours queue behind them: each copy of
+    ours resent at the first wait adds to the queue (an emulated board on a loaded machine stopped acknowledging so).
+    Heard from during a wait, the host doubles it, up to BACKOFF_MAX_FACTOR times the first; a silent board keeps the
+    first wait, so a dead one is found out as fast as before."""
+    with _listener() as listener:
+        host = Link.connect(f"socket://127.0.0.1:{listener.getsockname()[1]}", ack_timeout_s=0.1, max_retries=100)
+        conn, _ = listener.accept()
+    board = RawPeer(conn)
+    with ThreadPoolExecutor(max_workers=1) as pool, contextlib.closing(host), contextlib.closing(conn):
+        _open(pool, host, board)
+        sent = pool.submit(host.send, b"busy")
+        busy = _copy_times(board, 1, 6, resend_reply=True)
+        board.send(KIND_ACK, 1, SESSION)
+        sent.result(timeout=10)
+        sent = pool.submit(host.send, b"quiet")
+        quiet = _copy_times(board, 2, 6, resend_reply=False)
+        board.send(KIND_ACK, 2, SESSION)
+        sent.result(timeout=10)
+    busy_waits = [later - earlier for earlier, later in zip(busy, busy[1:], strict=False)]
+    quiet_waits = [later - earlier for earlier, later in zip(quiet, quiet[1:], strict=False)]
+    assert max(quiet_waits) < 0.3, quiet_waits  # 0.1 s each
+    assert busy_waits[0] < 0.3 and busy_waits[1] > 0.15, busy_waits  # 0.1, then 0.2, 0.4, 0.8, 0.8
+    assert busy_waits[-1] > 0.6 and max(busy_waits) < 0.1 * BACKOFF_MAX_FACTOR + 0.3, busy_waits
 
 
 def test_open_over_a_loopback_times_out_on_its_own_echo():
