@@ -440,7 +440,7 @@ def test_a_solve_whose_first_cover_did_not_close_resumes_it_and_then_tries_secon
     it does after a first problem that closed (0.52070 J against 0.51291 J)."""
     priced, budget, runtime = _resnet18_cifar_at_40_percent_on_jetsontx2()
     whole = eviction_cover(priced, budget, runtime)
-    second = eviction_cover(priced, budget, runtime, second_restorations=True, time_limit_s=300)
+    second = eviction_cover(priced, budget, runtime, second_restorations=True)
     assert second.bound_j > whole.bound_j * 1.01
     starts: list = []
     _first_cover_cut_short(monkeypatch, starts)
