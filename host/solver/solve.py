@@ -339,7 +339,8 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                                        f"{options.time_limit_s:g} s; raise --time-limit",
                                baselines=baselines, **common)
         return _baseline_answer(priced, offers[0], options, runtime_budget_s, started, baselines, None, common,
-                                floor_bound_j, message=f"{expired}: the best baseline is returned")
+                                floor_bound_j, message=f"{expired}: the {offers[0].name} schedule "
+                                                       f"({offers[0].energy_j:.9g} J), the best found, is returned")
     except KeyboardInterrupt:
         # Ctrl-C between the warm start and the MILP (the stronger bound, its greedies, building the model): the
         # baselines priced so far are schedules; the best is returned, marked interrupted, as the MILP's would be.

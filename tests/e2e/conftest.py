@@ -342,10 +342,16 @@ class Proxy:
             pass
         sock.close()
 
-    def sever(self) -> int:
-        """Cut every open connection (both directions); returns how many sockets were closed."""
-        with self._lock:
-            sockets = list(self._sockets)
+    def sever(self, wait_s: float = 30.0) -> int:
+        """Cut every open connection (both directions); returns how many sockets were closed. With none open (the
+        agent between a cut and its reconnect, backing off), waits up to ``wait_s`` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                sockets = list(self._sockets)
+            if sockets or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         for sock in sockets:
             self._close(sock)
         self.severed += 1

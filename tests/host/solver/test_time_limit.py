@@ -55,6 +55,8 @@ def test_a_traced_solve_returns_within_its_time_limit(deep_mlp_on_a72):
     assert replayed.peak_ram_bytes <= budget
     assert replayed.energy_j == pytest.approx(result.objective_j, rel=1e-12)
     assert result.objective_j <= cheapest_feasible(result.baselines)[0].energy_j
+    if result.schedule.solve.solver == "baseline":  # the message names where the schedule came from
+        assert f"the {result.schedule.solve.formulation} schedule" in result.message, result.message
 
 
 def test_every_phase_stops_at_an_expired_deadline():
