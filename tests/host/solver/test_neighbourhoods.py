@@ -73,3 +73,33 @@ def test_each_move_is_a_cheaper_valid_schedule_of_the_whole_model_and_none_beats
 def test_a_passed_deadline_takes_no_move():
     _, _, _, formulation, start = _residual_case()
     assert list(neighbourhood_search(formulation, start, Deadline(0.0))) == []
+
+
+def test_a_windows_own_problem_is_the_whole_model_with_the_rest_fixed():
+    """A window's problem holds only its free columns: at the start's values it costs what the whole model does and
+    satisfies its rows, and its answer put back into the start satisfies the whole model at the cost HiGHS gave it.
+    Dropping a row whose fixed part the start does not meet, or moving a fixed column's activity into the wrong
+    bound, fails."""
+    from host.solver.backends.highs import solve_highs
+
+    _, budget, _, formulation, start = _residual_case()
+    problem = formulation.problem
+    whole = neighbourhoods._ModelArrays(problem)
+    tensor_of = column_tensors(formulation)
+    energies = []
+    for window in windows_costliest_first(formulation, start)[:2]:
+        free = (tensor_of >= window.start) & (tensor_of < window.stop)
+        fixed = whole.fixed_outside(free)
+        assert not fixed[free].any() and fixed[(tensor_of >= 0) & ~free].all()
+        sub, free_cols = whole.restricted(fixed, start)
+        assert 0 < sub.num_cols < problem.num_cols and sub.num_rows < problem.num_rows
+        assert sub.objective(start[free_cols]) == pytest.approx(problem.objective(start), rel=1e-12)
+        assert sub.max_violation(start[free_cols]) <= 1e-9 * budget
+        answer = solve_highs(sub, time_limit_s=5, mip_gap=1e-6, threads=1, start=start[free_cols])
+        assert answer.x is not None
+        x = start.copy()
+        x[free_cols] = answer.x
+        assert problem.max_violation(x) <= 1e-6 * budget
+        assert problem.objective(x) == pytest.approx(answer.objective, rel=1e-9)
+        energies.append(problem.objective(x))
+    assert min(energies) < problem.objective(start) * 0.99  # some window holds a move from paging what does not fit
