@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -257,13 +258,18 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                    remat: bool = True, paging: bool = True, paging_in_runtime: bool = False,
                    time_limit_s: float = EVICTION_BOUND_TIME_LIMIT_S,
                    second_restorations: bool = False, cancel: threading.Event | None = None,
-                   resume: EvictionCover | None = None) -> EvictionCover | None:
+                   resume: EvictionCover | None = None,
+                   on_closed_round: Callable[[EvictionCover], None] | None = None) -> EvictionCover | None:
     """The covering problem solved (see the module docstring); None as for :func:`eviction_bound_j`.
 
     ``resume``: an unclosed cover of the same problem (same graph, budgets and options, no second restorations), whose
     best cover starts HiGHS this time; the bound returned is at least the one it proved.
 
     ``cancel`` set (the solve stopped it from another thread) stops it as Ctrl-C does: KeyboardInterrupt.
+
+    ``on_closed_round``: called (on this thread) with the cover so far each time a round closes, before the next
+    round starts, so that a caller on another thread can use its bound and evictions at once (the later rounds of
+    chains of recomputations can take the rest of the time).
 
     With ``second_restorations``, a tensor that a recomputation reads between two stages where it is absent is
     restored twice there (see the module docstring): a higher bound from a larger problem (resnet18_cifar at 40%
@@ -608,6 +614,8 @@ def eviction_cover(priced: PricedGraph, ram_budget_bytes: float, runtime_budget_
                                        earlier_rounds=earlier_rounds)
         else:
             best = dataclasses.replace(best, bound_j=max(cover.bound_j, best.bound_j), unclosed_round=cover)
+        if cover.closed and on_closed_round is not None:
+            on_closed_round(best)
         if not (second_restorations and remat and cover.closed and result.x is not None):
             return best
         if not chain_roots:
