@@ -258,6 +258,7 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                 # start a greedy at once, while the next round (chains of recomputations) runs. hf_bert at 45% on m4,
                 # 60 s limit: the second problem's first round closes in 2 s and the greedy from it meets the bound,
                 # where its chain round took the rest of its 40 s.
+                greedy_name = GREEDY_FROM_STRONGER_COVER if second_restorations else GREEDY_FROM_RESUMED_COVER
                 wake = _Wake()
                 stronger_task = Background(
                     lambda cancel, second_restorations=second_restorations, time_s=stronger_time_s, wake=wake:
@@ -279,14 +280,9 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                             or (enough_j is not None and offers[0].energy_j <= enough_j)):
                         break
                     while closed_rounds:  # a round closed: its bound, then a greedy from its evictions
-                        round_cover = closed_rounds.pop(0)
-                        floor_bound_j = _lower_bound_j(floor_bound_j, round_cover.bound_j)
-                        starts = [start for start in round_cover.starts(priced.graph.size) if start not in tried_starts]
-                        tried_starts += starts
-                        if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
-                            offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts,
-                                                    GREEDY_FROM_STRONGER_COVER if second_restorations
-                                                    else GREEDY_FROM_RESUMED_COVER)
+                        floor_bound_j, offers = _take_cover(priced, options, runtime_budget_s, baselines,
+                                                            closed_rounds.pop(0), tried_starts, floor_bound_j, offers,
+                                                            greedy_name)
                     if _relative_gap(offers[0].energy_j, floor_bound_j) <= options.mip_gap:
                         break
                     if not woken.is_set():  # the search's passes had ended: wait for the problem (Ctrl-C reaches this)
@@ -301,17 +297,10 @@ def solve_schedule(priced: PricedGraph, options: SolveOptions, progress: Progres
                 stronger = stronger_task.result()
                 if stronger is None:
                     break
-                floor_bound_j = _lower_bound_j(floor_bound_j, stronger.bound_j)
-                # The evictions of each of its solved rounds start a greedy (EvictionCover.starts), even where its
-                # bound is no higher: covers of equal cost differ, and on hf_bert at 45% on m4 the second problem's
-                # greedy meets the bound (0.0818268 J) where the first problem's stops 0.05% above it. So does the best
-                # cover of a round cut short by its deadline (a start only). The cheapest is kept.
-                starts = [start for start in stronger.starts(priced.graph.size) if start not in tried_starts]
-                tried_starts += starts
-                if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
-                    offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts,
-                                            GREEDY_FROM_STRONGER_COVER if second_restorations
-                                            else GREEDY_FROM_RESUMED_COVER)
+                # The evictions of each of its solved rounds not tried yet start a greedy, and so does the best cover
+                # of a round cut short by its deadline (a start only).
+                floor_bound_j, offers = _take_cover(priced, options, runtime_budget_s, baselines, stronger,
+                                                    tried_starts, floor_bound_j, offers, greedy_name)
                 if not stronger.closed:
                     break  # the second problem needs the first closed
             # With HiGHS, which stops on an event, the ejection moves from the cheapest plan run beside the MILP
@@ -474,6 +463,22 @@ def _stronger_bound_time_s(options: SolveOptions, bound_time_s: float, started: 
         return 0.0
     # Never past the time limit's work deadline: the baselines may have run until one fitted, near the limit.
     return min(max(least_s, ends_at_s - elapsed_s), options.time_limit_s - reserve_s - elapsed_s)
+
+
+def _take_cover(priced: PricedGraph, options: SolveOptions, runtime_budget_s: float, baselines: list[BaselineResult],
+                cover: EvictionCover, tried_starts: list[GreedyStart | None], floor_bound_j: float,
+                offers: list[BaselineResult], greedy_name: str) -> tuple[float, list[BaselineResult]]:
+    """A later covering problem's cover (a closed round, or its answer): its bound lifts ``floor_bound_j``, and where
+    that leaves a gap, the evictions of each of its rounds not in ``tried_starts`` (added to it) start a greedy named
+    ``greedy_name`` (EvictionCover.starts), even where its bound is no higher: covers of equal cost differ, and on
+    hf_bert at 45% on m4 the second problem's greedy meets the bound (0.0818268 J) where the first problem's stops
+    0.05% above it. Returns the bound and the offers."""
+    floor_bound_j = _lower_bound_j(floor_bound_j, cover.bound_j)
+    starts = [start for start in cover.starts(priced.graph.size) if start not in tried_starts]
+    tried_starts += starts
+    if starts and _relative_gap(offers[0].energy_j, floor_bound_j) > options.mip_gap:
+        offers = _greedies_from(priced, options, runtime_budget_s, baselines, starts, greedy_name)
+    return floor_bound_j, offers
 
 
 T = TypeVar("T")
